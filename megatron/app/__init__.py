@@ -1,0 +1,1 @@
+"""The training spine: config, device backends, model, pipeline executor, train loop, checkpoints, plugins."""
