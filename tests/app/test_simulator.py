@@ -84,6 +84,15 @@ def test_one_f_one_b_bubble_matches_analytic(pp_size, num_microbatches, forward_
     assert result.makespan == pytest.approx((num_microbatches + pp_size - 1) * (forward_time + backward_time))
 
 
+@pytest.mark.parametrize("pp_size, num_chunks, num_microbatches", [(2, 2, 4), (4, 2, 8), (4, 4, 16), (8, 2, 16)])
+def test_interleaved_bubble_matches_analytic(pp_size, num_chunks, num_microbatches):
+    # With per-chunk costs, every rank idles (pp_size - 1) forward+backward pairs of one chunk.
+    layout = PipelineLayout(pp_size, num_chunks, num_microbatches)
+    result = simulate_schedule("interleaved", layout, CostModel(forward_time=1.0, backward_time=2.0))
+    expected = (pp_size - 1) / (num_chunks * num_microbatches + pp_size - 1)
+    assert result.bubble_fractions == pytest.approx([expected] * pp_size, rel=1e-12)
+
+
 @pytest.mark.parametrize("pp_size, num_chunks, num_microbatches", [(4, 2, 8), (4, 4, 8), (8, 2, 16), (2, 3, 4)])
 def test_interleaved_reduces_the_bubble(pp_size, num_chunks, num_microbatches):
     # Same total model cost: each of num_chunks chunks is 1/num_chunks of the stage.
@@ -280,7 +289,7 @@ def test_cli_prints_schedule_and_table(capsys, tmp_path):
     assert code == 0
     assert "rank 0: F0.0 F0.1 F0.2 F0.3 F1.0" in output
     assert "rank  tasks    busy ms    idle ms   bubble  peak activations" in output
-    assert "makespan" in output and "1F1B ideal (p-1)/(m+p-1) = 27.3%" in output
+    assert "makespan" in output and "uniform-cost ideal (p-1)/(v*m+p-1) = 15.8%" in output
     assert len([e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]) == 128
 
 
