@@ -1,0 +1,163 @@
+"""Command-line flags (Megatron-LM names) and their translation into a RunConfig."""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Sequence
+
+from megatron.app.config import (
+    CheckpointConfig,
+    DataArgs,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainingConfig,
+)
+
+
+def build_parser(plugins: Sequence = ()) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="Train megatron-core's GPTModel with tensor, pipeline and data parallelism.",
+        allow_abbrev=False,
+    )
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--pipeline-schedule", choices=["auto", "1f1b", "interleaved", "gpipe"], default="auto",
+                   help="static pipeline order; auto = interleaved with virtual stages, else 1f1b")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
+
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=8)
+    g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving, if --save) once iteration %% N == 0")
+
+    g = parser.add_argument_group("optimizer")
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None)
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--tokenizer-type", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--vocab-size", type=int, default=None, help="vocabulary size for --mock-data")
+    g.add_argument("--data-cache-path", default=None)
+
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--eval-interval", type=int, default=0)
+    g.add_argument("--eval-iters", type=int, default=0)
+    g.add_argument("--tensorboard-dir", default=None)
+
+    for plugin in plugins:
+        plugin.add_arguments(parser)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
+    """Translate parsed flags into the typed config (no validation here; see config.validate)."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return RunConfig(
+        parallel=ParallelConfig(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+            world_size=world_size,
+        ),
+        model=ModelConfig(
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            ffn_hidden_size=args.ffn_hidden_size,
+            seq_length=args.seq_length,
+            max_position_embeddings=args.max_position_embeddings or args.seq_length,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            hidden_dropout=args.hidden_dropout,
+            attention_dropout=args.attention_dropout,
+            init_method_std=args.init_method_std,
+            bf16=args.bf16,
+            transformer_impl=args.transformer_impl,
+        ),
+        optimizer=OptimizerConfig(
+            lr=args.lr,
+            min_lr=args.min_lr,
+            lr_decay_style=args.lr_decay_style,
+            lr_warmup_iters=args.lr_warmup_iters,
+            lr_decay_iters=args.lr_decay_iters,
+            weight_decay=args.weight_decay,
+            clip_grad=args.clip_grad,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
+            bf16=args.bf16,
+        ),
+        training=TrainingConfig(
+            micro_batch_size=args.micro_batch_size,
+            global_batch_size=args.global_batch_size,
+            train_iters=args.train_iters,
+            seed=args.seed,
+            log_interval=args.log_interval,
+            eval_interval=args.eval_interval,
+            eval_iters=args.eval_iters,
+            pipeline_schedule=args.pipeline_schedule,
+            device=args.device,
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
+            exit_interval=args.exit_interval,
+        ),
+        checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval),
+        logging=LoggingConfig(tensorboard_dir=args.tensorboard_dir),
+        data=DataArgs(
+            data_path=args.data_path,
+            split=args.split,
+            mock_data=args.mock_data,
+            tokenizer_type=args.tokenizer_type,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
+            vocab_size=args.vocab_size,
+            data_cache_path=args.data_cache_path,
+        ),
+        args=args,
+    )

@@ -1,0 +1,216 @@
+"""Typed run configuration, built once from the command line and validated up front.
+
+Every component gets its own small dataclass; nothing reads a global args object.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """The launch configuration cannot work; the message lists every problem found."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    world_size: int = 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+    def virtual_chunks(self, num_layers: int) -> int:
+        """Model chunks per pipeline rank (1 without a virtual pipeline)."""
+        if not self.num_layers_per_virtual_pipeline_stage:
+            return 1
+        per_stage = num_layers // self.pipeline_model_parallel_size
+        return per_stage // self.num_layers_per_virtual_pipeline_stage
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None
+    seq_length: int = 128
+    max_position_embeddings: int = 128
+    vocab_size: int = 0  # filled from the tokenizer
+    make_vocab_size_divisible_by: int = 128
+    untie_embeddings_and_output_weights: bool = False
+    position_embedding_type: str = "learned_absolute"
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    bf16: bool = False
+    transformer_impl: str = "local"
+
+    @property
+    def padded_vocab_size(self) -> int:
+        multiple = self.make_vocab_size_divisible_by
+        return ((self.vocab_size + multiple - 1) // multiple) * multiple
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "cosine"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    bf16: bool = False
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    train_iters: int = 10
+    seed: int = 1234
+    log_interval: int = 1
+    eval_interval: int = 0
+    eval_iters: int = 0
+    pipeline_schedule: str = "auto"
+    device: str = "auto"
+    distributed_timeout_minutes: float = 10.0
+    exit_interval: int | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class LoggingConfig:
+    tensorboard_dir: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class DataArgs:
+    data_path: list[str] | None = None
+    split: str = "969,30,1"
+    mock_data: bool = False
+    tokenizer_type: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_size: int | None = None
+    data_cache_path: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    parallel: ParallelConfig
+    model: ModelConfig
+    optimizer: OptimizerConfig
+    training: TrainingConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    data: DataArgs
+    args: argparse.Namespace = field(repr=False)  # plugins read their own flags from here
+
+    @property
+    def num_microbatches(self) -> int:
+        per_step = self.training.micro_batch_size * self.parallel.data_parallel_size
+        return self.training.global_batch_size // per_step
+
+    @property
+    def num_chunks(self) -> int:
+        return self.parallel.virtual_chunks(self.model.num_layers)
+
+
+def validate(cfg: RunConfig) -> None:
+    """Check every factor once, before any work starts; raise one ConfigError listing all."""
+    p, m, t = cfg.parallel, cfg.model, cfg.training
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    problems: list[str] = []
+    for name, value in (
+        ("--tensor-model-parallel-size", tp),
+        ("--pipeline-model-parallel-size", pp),
+        ("--micro-batch-size", t.micro_batch_size),
+        ("--global-batch-size", t.global_batch_size),
+        ("--num-layers", m.num_layers),
+        ("--hidden-size", m.hidden_size),
+        ("--num-attention-heads", m.num_attention_heads),
+        ("--seq-length", m.seq_length),
+    ):
+        if value < 1:
+            problems.append(f"{name} must be >= 1, got {value}")
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+    if p.world_size % (tp * pp) != 0:
+        dp_guess = max(1, p.world_size // (tp * pp))
+        problems.append(
+            f"tp({tp}) x pp({pp}) x dp({dp_guess}) = {tp * pp * dp_guess} != world_size({p.world_size}): "
+            f"world size must be a multiple of tp x pp = {tp * pp}; change the parallel sizes or --nproc-per-node"
+        )
+    dp = max(1, p.data_parallel_size)
+    if m.num_layers % pp != 0:
+        problems.append(
+            f"num_layers({m.num_layers}) is not divisible by pipeline stages pp({pp}); "
+            f"use a multiple of {pp} for --num-layers"
+        )
+    vpp_layers = p.num_layers_per_virtual_pipeline_stage
+    if vpp_layers is not None:
+        per_stage = m.num_layers // pp if m.num_layers % pp == 0 else None
+        if pp == 1:
+            problems.append("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        elif per_stage is not None and (vpp_layers < 1 or per_stage % vpp_layers != 0):
+            problems.append(
+                f"layers per stage num_layers({m.num_layers}) / pp({pp}) = {per_stage} is not divisible by "
+                f"--num-layers-per-virtual-pipeline-stage({vpp_layers})"
+            )
+    if t.global_batch_size % (t.micro_batch_size * dp) != 0:
+        problems.append(
+            f"global_batch_size({t.global_batch_size}) is not divisible by "
+            f"micro_batch_size({t.micro_batch_size}) x dp({dp}) = {t.micro_batch_size * dp}"
+        )
+    if m.hidden_size % m.num_attention_heads != 0:
+        problems.append(
+            f"hidden_size({m.hidden_size}) is not divisible by num_attention_heads({m.num_attention_heads})"
+        )
+    if m.num_attention_heads % tp != 0:
+        problems.append(f"num_attention_heads({m.num_attention_heads}) is not divisible by tp({tp})")
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    if ffn % tp != 0:
+        problems.append(f"ffn_hidden_size({ffn}) is not divisible by tp({tp})")
+    if m.seq_length > m.max_position_embeddings and m.position_embedding_type == "learned_absolute":
+        problems.append(
+            f"seq_length({m.seq_length}) > max_position_embeddings({m.max_position_embeddings}); "
+            "raise --max-position-embeddings"
+        )
+    if m.transformer_impl != "local":
+        problems.append(
+            f"--transformer-impl {m.transformer_impl} needs Transformer Engine, which is not part of this "
+            "toolchain's supported set; use --transformer-impl local"
+        )
+    if not cfg.data.mock_data and not cfg.data.data_path:
+        problems.append("no training data: pass --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
+    if t.train_iters < 1:
+        problems.append(f"--train-iters must be >= 1, got {t.train_iters}")
+    if cfg.checkpoint.save_interval and not cfg.checkpoint.save:
+        problems.append("--save-interval is set but --save DIR is not")
+    if t.eval_interval and t.eval_iters < 1:
+        problems.append("--eval-interval is set but --eval-iters is 0; pass --eval-iters N")
+    if not problems:
+        chunks = cfg.num_chunks
+        num_mb = cfg.num_microbatches
+        if chunks > 1 and num_mb % pp != 0:
+            problems.append(
+                f"interleaved pipeline needs the number of microbatches, global_batch_size({t.global_batch_size}) / "
+                f"(micro_batch_size({t.micro_batch_size}) x dp({dp})) = {num_mb}, to be a multiple of pp({pp})"
+            )
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))

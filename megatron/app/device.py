@@ -1,0 +1,482 @@
+"""Device backends: the one place where CPU (gloo) and CUDA (NCCL) training differ.
+
+`cuda` uses NCCL, megatron-core's DistributedDataParallel and optimizer, CUDA events.
+`cpu` uses gloo, a plain gradient all-reduce over the data-parallel group, `torch.optim`,
+host clocks, and the few stand-ins megatron-core's model needs to run without CUDA.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class DeviceError(RuntimeError):
+    """The requested device cannot be used on this machine."""
+
+
+def resolve_device(requested: str) -> str:
+    """Map `--device {auto,cpu,cuda}` to the backend actually used."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise DeviceError(f"--device {requested!r} is not one of auto, cpu, cuda")
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(
+            "--device cuda was given but torch.cuda.is_available() is False on this machine "
+            f"(torch {torch.__version__}); pass --device cpu or --device auto"
+        )
+    return requested
+
+
+# --------------------------------------------------------------------------------------
+# CPU stand-ins for megatron-core internals that allocate on CUDA.
+# Each one names the megatron-core call it replaces; tests/app/test_device.py checks that
+# megatron-core still contains that call, so an upgrade that changes it fails loudly.
+# --------------------------------------------------------------------------------------
+
+
+def _cpu_global_memory_buffer():
+    """Replaces `megatron.core.utils.GlobalMemoryBuffer.get_tensor`, which allocates with
+    `device=torch.cuda.current_device()`; the local-spec attention takes its baddbmm input
+    buffer from it (`parallel_state.get_global_memory_buffer()`)."""
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    class CPUGlobalMemoryBuffer(GlobalMemoryBuffer):
+        def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+            required = math.prod(tensor_shape)
+            buffer = self.buffer.get((name, dtype))
+            if buffer is None or buffer.numel() < required:
+                buffer = torch.empty(required, dtype=dtype, device="cpu")
+                self.buffer[(name, dtype)] = buffer
+            return buffer[:required].view(*tensor_shape)
+
+    return CPUGlobalMemoryBuffer()
+
+
+def _cpu_rng_tracker(seed: int, tp_rank: int):
+    """Replaces `megatron.core.tensor_parallel.random.CudaRNGStatesTracker` (its `add` and
+    `fork` call `torch.cuda.get_rng_state`/`manual_seed`), installed where
+    `model_parallel_cuda_manual_seed` would install it. The same named streams are kept
+    (data-parallel, model-parallel, expert-parallel), forking the CPU generator instead."""
+    from megatron.core.tensor_parallel import random as mc_random
+
+    class CPURNGStatesTracker(mc_random.CudaRNGStatesTracker):
+        def add(self, name, seed):
+            if seed in self.seeds_:
+                raise ValueError(f"rng seed {seed} already exists")
+            if name in self.states_:
+                raise ValueError(f"rng state {name} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mc_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise KeyError(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    tracker = CPURNGStatesTracker()
+    # Same seed offsets as model_parallel_cuda_manual_seed, so both devices draw the same streams.
+    tracker.add(mc_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mc_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mc_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
+    mc_random._CUDA_RNG_STATE_TRACKER = tracker
+    mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    return tracker
+
+
+@contextlib.contextmanager
+def _tied_embedding_copy_stays_on_cpu() -> Iterator[None]:
+    """Replaces the `weight.data = weight.data.cuda()` in
+    `LanguageModule.setup_embeddings_and_output_layer`, run while building a pipeline stage
+    that holds a tied word embedding; the embedding-group all-reduce right after it then runs
+    over gloo on the CPU tensor. Scoped to model construction only."""
+    original = torch.Tensor.cuda
+
+    def stay(self, *args, **kwargs):
+        return self
+
+    torch.Tensor.cuda = stay
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+# --------------------------------------------------------------------------------------
+# Backends
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class Clock:
+    """A timing scope: host monotonic time on CPU, CUDA events on GPU (resolved lazily)."""
+
+    start: object
+    end: object = None
+    cuda: bool = False
+
+    def elapsed_ms(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return float(self.start.elapsed_time(self.end))
+        return (self.end - self.start) * 1e3
+
+
+class DeviceBackend:
+    """Interface both devices implement. The trainer calls only these methods."""
+
+    name: str = "base"
+    dist_backend: str = "gloo"
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+
+    # --- process groups ------------------------------------------------------------
+    def init_distributed(self, timeout_s: float) -> None:
+        if dist.is_initialized():
+            return
+        rank = int(os.environ.get("RANK", "0"))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if "MASTER_ADDR" not in os.environ:
+            # A plain `python pretrain_gpt.py` (no torchrun) runs as a single rank.
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group(
+            backend=self.dist_backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+            **self._init_kwargs(),
+        )
+
+    def _init_kwargs(self) -> dict:
+        return {}
+
+    def init_model_parallel(self, tp: int, pp: int, vpp: int | None, seed: int) -> None:
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+        )
+        self._seed(seed)
+
+    def _seed(self, seed: int) -> None:
+        raise NotImplementedError
+
+    def model_construction(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    # --- model, gradients, optimizer --------------------------------------------------
+    def wrap_model(self, chunks: list[torch.nn.Module], cfg) -> list[torch.nn.Module]:
+        raise NotImplementedError
+
+    def zero_grad(self, chunks: Sequence[torch.nn.Module]) -> None:
+        raise NotImplementedError
+
+    def finalize_grads(self, chunks: Sequence[torch.nn.Module]) -> None:
+        """Data-parallel gradient all-reduce plus the tied-embedding all-reduce."""
+        raise NotImplementedError
+
+    def build_optimizer(self, chunks: Sequence[torch.nn.Module], cfg):
+        raise NotImplementedError
+
+    # --- clocks ---------------------------------------------------------------------
+    def clock_start(self) -> Clock:
+        return Clock(start=time.perf_counter())
+
+    def clock_stop(self, clock: Clock) -> Clock:
+        clock.end = time.perf_counter()
+        return clock
+
+    def synchronize(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class CPUBackend(DeviceBackend):
+    name = "cpu"
+    dist_backend = "gloo"
+
+    def init_model_parallel(self, tp: int, pp: int, vpp: int | None, seed: int) -> None:
+        from megatron.core import parallel_state
+
+        super().init_model_parallel(tp, pp, vpp, seed)
+        parallel_state._GLOBAL_MEMORY_BUFFER = _cpu_global_memory_buffer()
+
+    def _seed(self, seed: int) -> None:
+        from megatron.core import parallel_state
+
+        torch.manual_seed(seed)
+        _cpu_rng_tracker(seed, parallel_state.get_tensor_model_parallel_rank())
+
+    def model_construction(self) -> contextlib.AbstractContextManager:
+        return _tied_embedding_copy_stays_on_cpu()
+
+    def wrap_model(self, chunks, cfg):
+        return list(chunks)
+
+    def zero_grad(self, chunks):
+        for chunk in chunks:
+            for param in chunk.parameters():
+                param.grad = None
+
+    def finalize_grads(self, chunks):
+        from megatron.core import parallel_state
+
+        dp_group = parallel_state.get_data_parallel_group()
+        dp_size = dist.get_world_size(dp_group)
+        grads = [p.grad for c in chunks for p in c.parameters() if p.grad is not None]
+        if dp_size > 1 and grads:
+            # One flat buffer per dtype: one all-reduce instead of one per parameter.
+            for dtype in sorted({g.dtype for g in grads}, key=str):
+                same = [g for g in grads if g.dtype == dtype]
+                flat = torch._utils._flatten_dense_tensors(same)
+                flat.div_(dp_size)
+                dist.all_reduce(flat, group=dp_group)
+                for grad, synced in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
+                    grad.copy_(synced)
+        _all_reduce_tied_embedding_grads(chunks)
+
+    def build_optimizer(self, chunks, cfg):
+        params_decay, params_no_decay = [], []
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                if not param.requires_grad:
+                    continue
+                (params_no_decay if param.ndim == 1 or name.endswith(".bias") else params_decay).append(param)
+        groups = [
+            {"params": params_decay, "weight_decay": cfg.weight_decay},
+            {"params": params_no_decay, "weight_decay": 0.0},
+        ]
+        return TorchOptimizer(
+            torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps),
+            chunks,
+            clip_grad=cfg.clip_grad,
+        )
+
+
+class CUDABackend(DeviceBackend):
+    name = "cuda"
+    dist_backend = "nccl"
+
+    def __init__(self) -> None:
+        super().__init__()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def _init_kwargs(self) -> dict:
+        return {"device_id": self.device}
+
+    def _seed(self, seed: int) -> None:
+        from megatron.core import tensor_parallel
+
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+    def wrap_model(self, chunks, cfg):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
+        wrapped = []
+        for index, chunk in enumerate(chunks):
+            chunk.cuda(self.device)
+            wrapped.append(
+                DistributedDataParallel(
+                    config=chunk.config,
+                    ddp_config=ddp_config,
+                    module=chunk,
+                    # Only the first chunk may skip bucketing; the others overlap nothing here.
+                    disable_bucketing=index > 0,
+                )
+            )
+        return wrapped
+
+    def zero_grad(self, chunks):
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+
+    def finalize_grads(self, chunks):
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads(list(chunks))
+
+    def build_optimizer(self, chunks, cfg):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2,
+            adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad,
+            bf16=cfg.bf16,
+            params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+            use_distributed_optimizer=False,
+        )
+        return MegatronOptimizer(get_megatron_optimizer(opt_config, list(chunks)))
+
+    def clock_start(self) -> Clock:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return Clock(start=event, cuda=True)
+
+    def clock_stop(self, clock: Clock) -> Clock:
+        clock.end = torch.cuda.Event(enable_timing=True)
+        clock.end.record()
+        return clock
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+
+def _all_reduce_tied_embedding_grads(chunks: Sequence[torch.nn.Module]) -> None:
+    """Keep the word embedding of the first stage and the output layer of the last stage equal:
+    their gradients are summed over the embedding group (first and last pipeline stage)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return
+    if not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+        return
+    weight = None
+    for chunk in chunks:
+        module = getattr(chunk, "module", chunk)
+        if getattr(module, "share_embeddings_and_output_weights", False) and (
+            module.pre_process or module.post_process
+        ):
+            if parallel_state.is_pipeline_first_stage(ignore_virtual=True) and module.pre_process:
+                weight = module.shared_embedding_or_output_weight()
+            elif parallel_state.is_pipeline_last_stage(ignore_virtual=True) and module.post_process:
+                weight = module.shared_embedding_or_output_weight()
+    if weight is None:
+        return
+    grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+    dist.all_reduce(grad, group=parallel_state.get_embedding_group())
+    weight.grad = grad
+
+
+# --------------------------------------------------------------------------------------
+# Optimizers: one small interface over torch.optim (CPU) and megatron-core's optimizer (CUDA)
+# --------------------------------------------------------------------------------------
+
+
+class TorchOptimizer:
+    """AdamW plus global gradient-norm clipping over the model-parallel group."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, chunks, clip_grad: float) -> None:
+        self.optimizer = optimizer
+        self.chunks = list(chunks)
+        self.clip_grad = clip_grad
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self) -> tuple[bool, float]:
+        grad_norm = model_parallel_grad_norm(self.chunks)
+        if self.clip_grad > 0 and grad_norm > self.clip_grad:
+            scale = self.clip_grad / (grad_norm + 1e-6)
+            for chunk in self.chunks:
+                for param in chunk.parameters():
+                    if param.grad is not None:
+                        param.grad.mul_(scale)
+        self.optimizer.step()
+        return True, grad_norm
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+class MegatronOptimizer:
+    """megatron-core's optimizer (mixed precision, clipping, grad-norm) behind the same interface."""
+
+    def __init__(self, optimizer) -> None:
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self) -> tuple[bool, float]:
+        update_successful, grad_norm, _ = self.optimizer.step()
+        return bool(update_successful), float(grad_norm or 0.0)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+def model_parallel_grad_norm(chunks: Sequence[torch.nn.Module]) -> float:
+    """L2 norm of the full model's gradient, each parameter counted once: parameters that
+    tensor parallelism replicates count on TP rank 0 only, the tied output weight on the
+    first stage only."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    total = torch.zeros(1, dtype=torch.float64)
+    for chunk in chunks:
+        module = getattr(chunk, "module", chunk)
+        for param in chunk.parameters():
+            if param.grad is None:
+                continue
+            replicated = not getattr(param, "tensor_model_parallel", False)
+            if replicated and tp_rank != 0:
+                continue
+            is_tied_copy = (
+                getattr(param, "shared_embedding", False)
+                and getattr(module, "post_process", False)
+                and not getattr(module, "pre_process", False)
+            )
+            if is_tied_copy:
+                continue
+            total += param.grad.detach().double().pow(2).sum()
+    group = parallel_state.get_model_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return float(total.sqrt())
+
+
+def build_backend(device: str) -> DeviceBackend:
+    """The explicit switch between devices (`--device` resolved by resolve_device)."""
+    backends: dict[str, Callable[[], DeviceBackend]] = {"cpu": CPUBackend, "cuda": CUDABackend}
+    return backends[resolve_device(device)]()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

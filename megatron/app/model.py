@@ -1,0 +1,124 @@
+"""Build megatron-core's GPTModel (local transformer spec) as this rank's pipeline chunks.
+
+Weights get a parallelism-invariant initialisation: every parameter is drawn in full from a
+generator seeded by (seed, global parameter name) and then sliced to this rank's TP shard, so
+the same --seed gives the same model for any TP x PP x virtual-pipeline layout.
+"""
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from typing import Callable, ContextManager
+
+import torch
+
+from megatron.app.config import ModelConfig, ParallelConfig
+
+_LOCAL_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, num_chunks: int):
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = torch.bfloat16 if model.bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        ffn_hidden_size=model.ffn_hidden_size,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=num_chunks if num_chunks > 1 else None,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        init_method_std=model.init_method_std,
+        use_cpu_initialization=True,
+        # megatron-core only tags TP-partitioned weights when it initialises them, so it does;
+        # init_parallel_invariant then overwrites the values.
+        bf16=model.bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
+
+
+def build_model_chunks(model_cfg: ModelConfig, parallel: ParallelConfig, num_chunks: int, seed: int,
+                       construction_context: Callable[[], ContextManager]) -> list[torch.nn.Module]:
+    """One GPTModel per virtual pipeline stage held by this rank (a single one without vpp)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(model_cfg, parallel, num_chunks)
+    spec = get_gpt_layer_local_spec()
+    chunks = []
+    for vp_stage in range(num_chunks):
+        vp = vp_stage if num_chunks > 1 else None
+        with construction_context():
+            chunk = GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                vocab_size=model_cfg.padded_vocab_size,
+                max_sequence_length=model_cfg.max_position_embeddings,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                share_embeddings_and_output_weights=not model_cfg.untie_embeddings_and_output_weights,
+                position_embedding_type=model_cfg.position_embedding_type,
+                vp_stage=vp,
+            )
+        init_parallel_invariant(chunk, seed, model_cfg)
+        chunks.append(chunk)
+    return chunks
+
+
+def global_parameter_name(chunk: torch.nn.Module, local_name: str) -> str:
+    """The parameter's name in the unpipelined model: local layer indices become global ones,
+    and the tied output weight is named after the word embedding it mirrors."""
+    if local_name == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False):
+        return "embedding.word_embeddings.weight"
+    match = _LOCAL_LAYER.match(local_name)
+    if match:
+        layer = chunk.decoder.layers[int(match.group(1))]
+        return f"decoder.layers.{layer.layer_number - 1}." + local_name[match.end():]
+    return local_name
+
+
+def _initial_value(name: str, full_shape: torch.Size, seed: int, cfg: ModelConfig) -> torch.Tensor:
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "bias" or leaf.endswith("_bias"):
+        return torch.zeros(full_shape)
+    if "norm" in name and len(full_shape) == 1:
+        return torch.ones(full_shape)
+    std = cfg.init_method_std
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        # Output projections of residual branches are scaled by depth (GPT-2 style).
+        std = std / math.sqrt(2.0 * cfg.num_layers)
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return torch.empty(full_shape).normal_(0.0, std, generator=generator)
+
+
+@torch.no_grad()
+def init_parallel_invariant(chunk: torch.nn.Module, seed: int, cfg: ModelConfig) -> None:
+    from megatron.core import parallel_state
+
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    for local_name, param in chunk.named_parameters():
+        name = global_parameter_name(chunk, local_name)
+        full_shape = list(param.shape)
+        partitioned = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+        if partitioned:
+            full_shape[param.partition_dim] *= tp_size
+        value = _initial_value(name, torch.Size(full_shape), seed, cfg)
+        if partitioned:
+            value = value.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+        param.copy_(value.to(param.dtype))
+
+
+def count_parameters(chunks: list[torch.nn.Module]) -> int:
+    return sum(p.numel() for c in chunks for p in c.parameters())

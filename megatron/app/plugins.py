@@ -1,0 +1,96 @@
+"""Plugin contract and registry. A plugin adds its own flags, is enabled by one of them, and
+hooks into setup, each iteration, each optimizer step and shutdown; it may supply the
+pipeline executor or the P2P transport. The trainer never tests a plugin's flag."""
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Any, Callable
+
+
+class Plugin:
+    """Base class with no-op hooks; subclasses override what they need."""
+
+    name: str = "plugin"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Add an argument group with this plugin's flags."""
+
+    def enabled(self, args: argparse.Namespace) -> bool:
+        """Whether the flags turn this plugin on."""
+        return False
+
+    def configure(self, cfg) -> None:
+        """Validate/adjust the run config before any work starts (raise ConfigError)."""
+
+    def setup(self, ctx) -> None:
+        """Called once the process groups, model, optimizer and data exist."""
+
+    def make_executor(self, ctx):
+        """Return a pipeline executor to use instead of the static one, or None."""
+        return None
+
+    def make_transport(self, ctx):
+        """Return a P2P transport to use instead of torch.distributed, or None."""
+        return None
+
+    def before_iteration(self, ctx, iteration: int) -> None: ...
+
+    def after_iteration(self, ctx, iteration: int, metrics: dict[str, Any]) -> None: ...
+
+    def before_optimizer_step(self, ctx, iteration: int) -> None: ...
+
+    def after_optimizer_step(self, ctx, iteration: int) -> None: ...
+
+    def shutdown(self, ctx) -> None: ...
+
+
+_REGISTRY: dict[str, Callable[[], Plugin]] = {}
+# Plugins shipped in this distribution, imported lazily so a missing optional dependency of
+# one plugin never breaks training without it. Modules register themselves on import.
+_BUILTIN_MODULES: tuple[str, ...] = ()
+
+
+def register_plugin(factory: Callable[[], Plugin]) -> Callable[[], Plugin]:
+    """Class decorator / function to make a plugin known by its `name`."""
+    name = getattr(factory, "name", None) or factory().name
+    if name in _REGISTRY and _REGISTRY[name] is not factory:
+        raise ValueError(f"plugin name {name!r} is registered twice")
+    _REGISTRY[name] = factory
+    return factory
+
+
+def unregister_plugin(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def available_plugins() -> list[Plugin]:
+    for module in _BUILTIN_MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:  # pragma: no cover - depends on optional extras
+            print(f"[plugins] {module} unavailable: {exc}")
+    return [factory() for _, factory in sorted(_REGISTRY.items())]
+
+
+class PluginSet:
+    """The enabled plugins, called in registration order."""
+
+    def __init__(self, plugins: list[Plugin]) -> None:
+        self.plugins = plugins
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.plugins]
+
+    def call(self, hook: str, *args: Any) -> None:
+        for plugin in self.plugins:
+            getattr(plugin, hook)(*args)
+
+    def first(self, factory_hook: str, ctx):
+        """The first non-None object a plugin supplies (executor or transport)."""
+        for plugin in self.plugins:
+            made = getattr(plugin, factory_hook)(ctx)
+            if made is not None:
+                return made
+        return None

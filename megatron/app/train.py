@@ -1,0 +1,242 @@
+"""The trainer: config -> distributed -> model chunks -> data -> loop -> shutdown.
+
+Each iteration runs the pipeline schedule, syncs gradients, steps the optimizer, logs, and
+checkpoints. Plugins hook in through megatron.app.plugins; nothing here tests their flags.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron.app import checkpoint as ckpt
+from megatron.app.arguments import build_parser, config_from_args
+from megatron.app.config import ConfigError, RunConfig, validate
+from megatron.app.device import DeviceBackend, build_backend
+from megatron.app.executor import PipelineExecutor, StageContext
+from megatron.app.logs import MetricsLogger, print_rank_0
+from megatron.app.model import build_model_chunks, count_parameters
+from megatron.app.observer import span
+from megatron.app.plugins import PluginSet, available_plugins
+from megatron.app.schedule import PipelineLayout, build_schedule
+from megatron.app.training_data import TrainingData
+
+
+@dataclass(kw_only=True)
+class TrainContext:
+    """Everything a plugin may look at or replace, built once per run."""
+
+    cfg: RunConfig
+    backend: DeviceBackend
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    chunks: list = field(default_factory=list)
+    optimizer: Any = None
+    executor: Any = None
+    transport: Any = None
+    data: TrainingData | None = None
+    schedule: list = field(default_factory=list)
+    layout: PipelineLayout | None = None
+    iteration: int = 0
+    consumed_samples: int = 0
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """First rank (tp 0, dp 0) of the last pipeline stage prints the training log."""
+        pp = self.cfg.parallel.pipeline_model_parallel_size
+        return self.pp_rank == pp - 1 and self.tp_rank == 0 and self.dp_rank == 0
+
+
+def learning_rate(cfg, iteration: int) -> float:
+    """Linear warmup, then constant / linear / cosine decay to min_lr."""
+    o = cfg.optimizer
+    if o.lr_warmup_iters and iteration < o.lr_warmup_iters:
+        return o.lr * (iteration + 1) / o.lr_warmup_iters
+    if o.lr_decay_style == "constant":
+        return o.lr
+    decay_iters = (o.lr_decay_iters or cfg.training.train_iters) - o.lr_warmup_iters
+    progress = min(1.0, max(0.0, (iteration - o.lr_warmup_iters) / max(1, decay_iters)))
+    if o.lr_decay_style == "linear":
+        factor = 1.0 - progress
+    else:
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return o.min_lr + (o.lr - o.min_lr) * factor
+
+
+def pick_schedule_name(cfg: RunConfig) -> str:
+    name = cfg.training.pipeline_schedule
+    if name == "auto":
+        return "interleaved" if cfg.num_chunks > 1 else "1f1b"
+    return name
+
+
+def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
+    from megatron.core import parallel_state
+
+    backend = build_backend(cfg.training.device)
+    backend.init_distributed(timeout_s=cfg.training.distributed_timeout_minutes * 60)
+    p = cfg.parallel
+    backend.init_model_parallel(
+        p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+        cfg.num_chunks if cfg.num_chunks > 1 else None, cfg.training.seed,
+    )
+    ctx = TrainContext(
+        cfg=cfg,
+        backend=backend,
+        rank=dist.get_rank(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+    )
+    ctx.data = TrainingData.build(cfg, dp_rank=ctx.dp_rank, device=backend.device)
+    cfg.model.vocab_size = ctx.data.vocab_size
+    chunks = build_model_chunks(cfg.model, p, cfg.num_chunks, cfg.training.seed, backend.model_construction)
+    params = count_parameters(chunks)
+    print(f"[rank {ctx.rank}] tp={ctx.tp_rank} pp={ctx.pp_rank} dp={ctx.dp_rank} "
+          f"chunks={len(chunks)} parameters={params:,}", flush=True)
+    ctx.chunks = backend.wrap_model(chunks, cfg)
+    ctx.optimizer = backend.build_optimizer(ctx.chunks, cfg.optimizer)
+    if cfg.checkpoint.load:
+        ctx.iteration, ctx.consumed_samples = ckpt.load_checkpoint(
+            cfg.checkpoint.load, ctx.chunks, ctx.optimizer, cfg, ctx.tp_rank, ctx.pp_rank
+        )
+        print_rank_0(f"loaded checkpoint from {cfg.checkpoint.load} at iteration {ctx.iteration}")
+
+    ctx.layout = PipelineLayout(pp_size=p.pipeline_model_parallel_size, num_chunks=cfg.num_chunks,
+                                num_microbatches=cfg.num_microbatches)
+    ctx.schedule = build_schedule(pick_schedule_name(cfg), ctx.layout, ctx.pp_rank)
+    ctx.transport = plugins.first("make_transport", ctx)
+    stage = StageContext(
+        layout=ctx.layout,
+        pp_rank=ctx.pp_rank,
+        pp_global_ranks=dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()),
+        activation_shape=(cfg.model.seq_length, cfg.training.micro_batch_size, cfg.model.hidden_size),
+        dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
+        device=backend.device,
+    )
+    ctx.executor = plugins.first("make_executor", ctx) or PipelineExecutor(ctx.chunks, stage, ctx.transport)
+    plugins.call("setup", ctx)
+    return ctx
+
+
+def train_step(ctx: TrainContext, plugins: PluginSet) -> dict[str, Any]:
+    cfg, backend = ctx.cfg, ctx.backend
+    iteration = ctx.iteration
+    lr = learning_rate(cfg, iteration)
+    for group in ctx.optimizer.param_groups:
+        group["lr"] = lr
+    backend.zero_grad(ctx.chunks)
+    for chunk in ctx.chunks:
+        chunk.train()
+    result = ctx.executor.run(ctx.schedule, lambda mb: ctx.data.train_microbatch(iteration, mb))
+    with span("grad_sync", iteration=iteration):
+        backend.finalize_grads(ctx.chunks)
+    plugins.call("before_optimizer_step", ctx, iteration)
+    with span("optimizer", iteration=iteration):
+        updated, grad_norm = ctx.optimizer.step()
+    plugins.call("after_optimizer_step", ctx, iteration)
+    return {"lm loss": result.mean_loss, "grad norm": grad_norm, "learning rate": lr,
+            "updated": updated, "num_tokens": result.num_tokens}
+
+
+def evaluate(ctx: TrainContext, iteration: int) -> float | None:
+    cfg = ctx.cfg
+    for chunk in ctx.chunks:
+        chunk.eval()
+    losses = []
+    with torch.no_grad():
+        for eval_step in range(cfg.training.eval_iters):
+            result = ctx.executor.run(
+                ctx.schedule, lambda mb: ctx.data.valid_microbatch(eval_step, mb), forward_only=True
+            )
+            if result.mean_loss is not None:
+                losses.append(result.mean_loss)
+    return sum(losses) / len(losses) if losses else None
+
+
+def train(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
+    ctx = setup(cfg, plugins)
+    t = cfg.training
+    logger = MetricsLogger(ctx)
+    print_rank_0(
+        f"training: {t.train_iters} iterations, global batch {t.global_batch_size}, "
+        f"{cfg.num_microbatches} microbatches of {t.micro_batch_size} per dp rank, "
+        f"tp={cfg.parallel.tensor_model_parallel_size} pp={cfg.parallel.pipeline_model_parallel_size} "
+        f"dp={cfg.parallel.data_parallel_size} vpp chunks={cfg.num_chunks}, schedule {pick_schedule_name(cfg)}, "
+        f"device {ctx.backend.name}, plugins {plugins.names or 'none'}"
+    )
+    while ctx.iteration < t.train_iters:
+        plugins.call("before_iteration", ctx, ctx.iteration)
+        started = time.perf_counter()
+        with span("iteration", iteration=ctx.iteration):
+            metrics = train_step(ctx, plugins)
+        ctx.iteration += 1
+        ctx.consumed_samples += t.global_batch_size
+        metrics["iteration_time"] = time.perf_counter() - started
+        logger.record(ctx.iteration, metrics)
+        plugins.call("after_iteration", ctx, ctx.iteration, metrics)
+        if t.eval_interval and ctx.iteration % t.eval_interval == 0:
+            logger.validation(ctx.iteration, evaluate(ctx, ctx.iteration))
+        c = cfg.checkpoint
+        should_exit = bool(t.exit_interval and ctx.iteration % t.exit_interval == 0)
+        if c.save and ((c.save_interval and ctx.iteration % c.save_interval == 0)
+                       or ctx.iteration == t.train_iters or should_exit):
+            save(ctx)
+        if should_exit:
+            print_rank_0(f"exiting at iteration {ctx.iteration} (--exit-interval {t.exit_interval})")
+            break
+    logger.close()
+    return ctx
+
+
+def save(ctx: TrainContext) -> None:
+    started = time.perf_counter()
+    path = ckpt.save_checkpoint(ctx.cfg.checkpoint.save, ctx.iteration, ctx.consumed_samples, ctx.chunks,
+                                ctx.optimizer, ctx.cfg, ctx.tp_rank, ctx.pp_rank, ctx.dp_rank)
+    print_rank_0(f"saved checkpoint at iteration {ctx.iteration} to {path} "
+                 f"({(time.perf_counter() - started) * 1e3:.0f} ms)")
+
+
+def parse(argv: Sequence[str] | None = None) -> tuple[RunConfig, PluginSet]:
+    candidates = available_plugins()
+    parser = build_parser(candidates)
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    plugins = PluginSet([p for p in candidates if p.enabled(args)])
+    validate(cfg)
+    plugins.call("configure", cfg)
+    return cfg, plugins
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg, plugins = parse(argv)
+    except ConfigError as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    ctx = None
+    try:
+        ctx = train(cfg, plugins)
+        plugins.call("shutdown", ctx)
+        return 0
+    except (ConfigError, ckpt.CheckpointError) as exc:
+        print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            # Peers that already failed must not leave us waiting in a final barrier.
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass

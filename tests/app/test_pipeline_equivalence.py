@@ -1,0 +1,70 @@
+"""Pipelined loss and per-parameter gradients equal an unpipelined single-rank reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launch import ROOT, python, torchrun
+
+WORKER = ROOT / "tests" / "app" / "workers" / "pipeline_grads.py"
+
+
+def _run(tmp_path, nproc: int, args: list[str]) -> list[dict]:
+    out = tmp_path / f"run{nproc}_{'_'.join(args).replace('-', '')}"
+    out.mkdir()
+    if nproc == 1:
+        proc = python([str(WORKER), *args, "--out", str(out)])
+    else:
+        proc = torchrun(WORKER, [*args, "--out", str(out)], nproc)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+
+
+def _assemble(ranks: list[dict]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Full gradients by global name: TP shards concatenated along their partition dim."""
+    losses: list[float] = []
+    shards: dict[str, dict[int, tuple[torch.Tensor, int | None]]] = {}
+    for rank in ranks:
+        if rank["tp_rank"] == 0:
+            losses.extend(rank["losses"])
+        if rank["dp_rank"] != 0:
+            continue
+        for name, (grad, dim) in rank["grads"].items():
+            shards.setdefault(name, {})[rank["tp_rank"]] = (grad, dim)
+    full = {}
+    for name, by_tp in shards.items():
+        ordered = [by_tp[k] for k in sorted(by_tp)]
+        dim = ordered[0][1]
+        full[name] = ordered[0][0] if dim is None else torch.cat([g for g, _ in ordered], dim=dim)
+        if dim is None:
+            for other, _ in ordered[1:]:
+                torch.testing.assert_close(other, ordered[0][0], msg=f"{name}: TP replicas disagree")
+    return losses, full
+
+
+CASES = [
+    # (nproc, args)                                       what it covers
+    (2, ["--pp", "2"]),                                   # 1F1B, tied embedding across stages
+    (4, ["--pp", "4"]),                                   # 1F1B, 4 stages
+    (4, ["--tp", "2", "--pp", "2"]),                      # TP + PP
+    (2, ["--pp", "2", "--vpp-layers", "1"]),              # interleaved, 2 chunks per rank
+    (4, ["--pp", "4", "--vpp-layers", "1", "--layers", "8"]),  # interleaved PP=4
+    (4, ["--pp", "2", "--untie"]),                        # PP + DP=2, untied output layer
+]
+
+
+@pytest.mark.parametrize("nproc,args", CASES, ids=[" ".join(a) for _, a in CASES])
+def test_pipelined_equals_unpipelined(tmp_path, nproc, args):
+    layers = args[args.index("--layers") + 1] if "--layers" in args else "4"
+    reference_args = ["--layers", layers, "--microbatches", "4"] + (["--untie"] if "--untie" in args else [])
+    ref_losses, ref_grads = _assemble(_run(tmp_path, 1, reference_args))
+    extra = [] if "--layers" in args else ["--layers", layers]
+    losses, grads = _assemble(_run(tmp_path, nproc, [*args, *extra, "--microbatches", "4"]))
+
+    assert len(losses) == 4
+    torch.testing.assert_close(sorted(losses), sorted(ref_losses), rtol=1e-5, atol=1e-6)
+    reference = {k.replace("@output", ""): v for k, v in ref_grads.items()}
+    assert {k.replace("@output", "") for k in grads} == set(reference)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference[name.replace("@output", "")], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")

@@ -1,0 +1,45 @@
+"""Helpers for multi-rank tests: run real torchrun/gloo jobs with a hard timeout."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def env() -> dict[str, str]:
+    result = dict(os.environ)
+    result["PYTHONPATH"] = str(ROOT) + os.pathsep + result.get("PYTHONPATH", "")
+    result["PYTHONWARNINGS"] = "ignore"
+    result["OMP_NUM_THREADS"] = "1"
+    result.setdefault("PYTHONUNBUFFERED", "1")
+    return result
+
+
+def torchrun(script: str | Path, args: list[str], nproc: int, timeout: float = 240,
+             extra_env: dict | None = None, torchrun_args: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Launch `torchrun --nproc-per-node nproc script args`; output is captured as text."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        *(torchrun_args or []), str(script), *args,
+    ]
+    run_env = env()
+    run_env.update(extra_env or {})
+    return subprocess.run(command, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=timeout)
+
+
+def python(args: list[str], timeout: float = 240, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    run_env = env()
+    run_env.update(extra_env or {})
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=run_env, capture_output=True, text=True,
+                          timeout=timeout)
