@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.app import checkpoint as ckpt
 from megatron.app.arguments import build_parser, config_from_args
 from megatron.app.config import ConfigError, RunConfig, validate
+from megatron.app.data import DataError
 from megatron.app.device import DeviceBackend, build_backend
 from megatron.app.executor import PipelineExecutor, StageContext
 from megatron.app.logs import MetricsLogger, print_rank_0
@@ -25,6 +26,7 @@ from megatron.app.model import build_model_chunks, count_parameters
 from megatron.app.observer import span
 from megatron.app.plugins import PluginSet, available_plugins
 from megatron.app.schedule import PipelineLayout, build_schedule
+from megatron.app.tokenizer import TokenizerError
 from megatron.app.training_data import TrainingData
 
 
@@ -153,10 +155,13 @@ def evaluate(ctx: TrainContext, iteration: int) -> float | None:
     for chunk in ctx.chunks:
         chunk.eval()
     losses = []
+    # Each evaluation continues where the previous one stopped in the validation set.
+    evaluation = iteration // cfg.training.eval_interval - 1
     with torch.no_grad():
         for eval_step in range(cfg.training.eval_iters):
+            batch_index = evaluation * cfg.training.eval_iters + eval_step
             result = ctx.executor.run(
-                ctx.schedule, lambda mb: ctx.data.valid_microbatch(eval_step, mb), forward_only=True
+                ctx.schedule, lambda mb: ctx.data.valid_microbatch(batch_index, mb), forward_only=True
             )
             if result.mean_loss is not None:
                 losses.append(result.mean_loss)
@@ -230,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ctx = train(cfg, plugins)
         plugins.call("shutdown", ctx)
         return 0
-    except (ConfigError, ckpt.CheckpointError) as exc:
+    except (ConfigError, ckpt.CheckpointError, DataError, TokenizerError) as exc:
         print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:

@@ -1,0 +1,59 @@
+"""The trainer's view of the data: microbatches by (iteration, microbatch) for this
+data-parallel rank, with the causal mask added and moved to the training device."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron.app.data import DataConfig, MicrobatchSource, build_microbatch_sources, tokenizer_from_config
+
+
+@dataclass(kw_only=True)
+class TrainingData:
+    train: MicrobatchSource
+    valid: MicrobatchSource | None
+    vocab_size: int
+    dp_rank: int
+    device: torch.device
+    seq_length: int
+    _cache: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, cfg, dp_rank: int, device: torch.device) -> "TrainingData":
+        t, d = cfg.training, cfg.data
+        data_cfg = DataConfig(
+            data_path=d.data_path, split=d.split, mock_data=d.mock_data, data_cache_path=d.data_cache_path,
+            seq_length=cfg.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,
+            global_batch_size=t.global_batch_size, data_parallel_size=cfg.parallel.data_parallel_size,
+            train_iters=t.train_iters, eval_iters=t.eval_iters, eval_interval=t.eval_interval or None,
+            tokenizer_type=d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+            vocab_size=d.vocab_size,
+        )
+        tokenizer = tokenizer_from_config(data_cfg)
+        train, valid, _ = build_microbatch_sources(data_cfg, tokenizer)
+        return cls(train=train, valid=valid, vocab_size=tokenizer.vocab_size, dp_rank=dp_rank, device=device,
+                   seq_length=cfg.model.seq_length)
+
+    def _prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if "attention_mask" not in batch:
+            # megatron-core's fallback mask is built on CUDA; pass the causal mask explicitly.
+            seq = self.seq_length
+            batch["attention_mask"] = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _get(self, source: MicrobatchSource, key: tuple, batch_index: int, microbatch: int):
+        # First and last pipeline stages both ask for each microbatch; fetch it once.
+        if key not in self._cache:
+            if len(self._cache) > 64:
+                self._cache.clear()
+            self._cache[key] = self._prepare(source.get(batch_index, self.dp_rank, microbatch))
+        return self._cache[key]
+
+    def train_microbatch(self, iteration: int, microbatch: int) -> dict[str, torch.Tensor]:
+        return self._get(self.train, ("train", iteration, microbatch), iteration, microbatch)
+
+    def valid_microbatch(self, batch_index: int, microbatch: int) -> dict[str, torch.Tensor]:
+        if self.valid is None:
+            raise ValueError("no validation split: --split gives it weight 0")
+        return self._get(self.valid, ("valid", batch_index, microbatch), batch_index, microbatch)
