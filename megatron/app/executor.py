@@ -149,7 +149,8 @@ class PipelineExecutor:
     # --- task handlers ------------------------------------------------------------------
     def _forward(self, task: Task, get_microbatch: Callable[[int], Microbatch], forward_only: bool) -> None:
         chunk = self.chunks[task.chunk]
-        batch = get_microbatch(task.microbatch)
+        with get_observer().span("data", microbatch=task.microbatch):
+            batch = get_microbatch(task.microbatch)
         received = self._receive(task)
         if received is not None:
             received.requires_grad_(not forward_only)
