@@ -62,9 +62,10 @@ def _encode_batch(numbered_lines: list[tuple[int, str]]) -> _Batch:
             batch.blank_lines += 1
             continue
         try:
-            record = json.loads(line)
+            # Without the line break, an unterminated string reads as such, not as a control character.
+            record = json.loads(line.rstrip("\r\n"))
         except json.JSONDecodeError as error:
-            batch.error = f"{path}:{line_number}: invalid JSON ({error.msg} at column {error.colno})"
+            batch.error = f"{path}:{line_number}: invalid JSON at column {error.colno}: {error.msg}"
             return batch
         if not isinstance(record, dict):
             batch.error = f"{path}:{line_number}: expected a JSON object like {{\"text\": ...}}, got {type(record).__name__}"

@@ -95,11 +95,11 @@ def iter_stdlib_documents(*, min_chars: int = 200, root: Path | None = None) -> 
             fresh = [doc.strip() for doc in group if doc.strip() not in seen]
             seen.update(fresh)
             text = "\n\n".join(fresh)
-            if len(text) >= min_chars:
+            if text and len(text) >= min_chars:
                 documents.append(text)
     for topic in _help_topics(root):
         topic = topic.strip()
-        if topic not in seen and len(topic) >= min_chars:
+        if topic and topic not in seen and len(topic) >= min_chars:
             seen.add(topic)
             documents.append(topic)
     random.Random(_SHUFFLE_SEED).shuffle(documents)
