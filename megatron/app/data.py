@@ -130,7 +130,7 @@ def check_indexed_dataset(prefix: str) -> IndexedDatasetInfo:
     if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
         raise DataError(_missing_files_message(prefix))
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
-    redo = f"Rebuild it with tools/preprocess_data.py (or use --mock-data)."
+    redo = "Rebuild it with tools/preprocess_data.py (or use --mock-data)."
     idx_size = os.path.getsize(idx_path)
     with open(idx_path, "rb") as stream:
         header = stream.read(_IDX_HEADER_BYTES)

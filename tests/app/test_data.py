@@ -30,7 +30,7 @@ from megatron.app.data import (
     parse_data_path,
     tokenizer_from_config,
 )
-from megatron.app.tokenizer import GPT2BPETokenizer, NullTokenizer, build_tokenizer
+from megatron.app.tokenizer import GPT2BPETokenizer, NullTokenizer
 
 try:
     from . import data_fixtures
