@@ -52,8 +52,9 @@ class DataConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
-    # The causal mask is implied by megatron-core's causal attention when no mask is passed, so a
-    # [seq, seq] mask per sample is only worth building when documents must not attend across eod.
+    # A [seq, seq] mask per sample is only worth building when documents must not attend across
+    # eod; otherwise one shared causal mask serves every sample (megatron-core's own fallback,
+    # transformer.utils.get_default_causal_mask, allocates it on CUDA, so a CPU trainer passes one).
     create_attention_mask: bool = False
 
 
