@@ -43,3 +43,35 @@ def python(args: list[str], timeout: float = 240, extra_env: dict | None = None)
     run_env.update(extra_env or {})
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=run_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendants of `pid` (torchrun puts its workers in their own sessions, so a
+    process-group kill does not reach them)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process under it at once, as a node failure would."""
+    import signal
+
+    for target in [pid, *descendants(pid)]:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

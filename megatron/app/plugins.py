@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 from typing import Any, Callable
 
 
@@ -65,6 +66,11 @@ def unregister_plugin(name: str) -> None:
 
 
 def available_plugins() -> list[Plugin]:
+    """Every registered plugin: the built-in ones plus modules named in MEGATRON_APP_PLUGINS
+    (comma-separated import paths), which lets a user add a plugin without editing this package."""
+    extra = [m.strip() for m in os.environ.get("MEGATRON_APP_PLUGINS", "").split(",") if m.strip()]
+    for module in extra:
+        importlib.import_module(module)  # a typo here should fail loudly, not silently skip
     for module in _BUILTIN_MODULES:
         try:
             importlib.import_module(module)
