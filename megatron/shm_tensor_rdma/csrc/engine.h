@@ -1,0 +1,150 @@
+// The engine: one per rank. It owns the request table, matches sends to receives by
+// (peer, tag) in posting order, tracks completion per request, enforces timeouts, and runs the
+// threads that serve the transports. It holds raw pointers to tensor memory; the Python
+// wrapper keeps those tensors alive until a request is reported finished.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "shm_transport.h"
+#include "tcp_transport.h"
+#include "transport.h"
+
+namespace strdma {
+
+class VerbsContext;
+
+struct EngineConfig {
+  std::string job_id;
+  int rank = 0;
+  int world_size = 1;
+  std::string host_key;            // ranks with equal keys use shared memory
+  std::string bind_host = "0.0.0.0";
+  int bind_port = 0;               // 0: pick a free port (see listen_port())
+  int send_threads = 2;
+  int recv_threads = 2;
+  uint64_t workload_bytes = 1 << 20;  // chunk size: large tensors are split across threads by it
+  uint64_t eager_bytes = 4096;        // messages up to this size skip the Rts/Cts handshake
+  uint32_t shm_ctrl_slots = 128;
+  uint32_t shm_bulk_slots = 8;
+  int spin_us = 50;
+  bool allow_shm = true;
+  bool allow_tcp = true;
+  bool allow_verbs = true;
+  std::string verbs_device;  // empty: first device with an active port
+  std::map<uint32_t, std::string> dtype_names;  // for error messages only
+};
+
+class Engine : public EngineSink {
+ public:
+  explicit Engine(EngineConfig config);
+  ~Engine() override;
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  int listen_port() const { return listen_port_; }
+  bool verbs_ready() const { return verbs_ != nullptr; }
+  // Forms the mesh with all ranks (addresses indexed by rank), then starts the threads.
+  void connect(const std::vector<std::string>& addresses, double timeout_s);
+
+  uint64_t isend(uintptr_t data, uint64_t nbytes, uint32_t dtype, const std::vector<int64_t>& shape, int dst,
+                 int64_t tag, double timeout_s);
+  uint64_t irecv(uintptr_t data, uint64_t nbytes, uint32_t dtype, const std::vector<int64_t>& shape, int src,
+                 int64_t tag, double timeout_s);
+
+  // -1 when `id` was already released (reported); else a ReqState value.
+  int state(uint64_t id);
+  // Blocks until the request finished or the timeout passed; true when finished.
+  bool wait(uint64_t id, double timeout_s);
+  // Returns a finished request's outcome and forgets it (poll() will not report it).
+  Finished release(uint64_t id);
+  // Finished requests not yet released, releasing them.
+  std::vector<Finished> poll();
+  // As poll(), but blocks until at least one request finished or the timeout passed.
+  std::vector<Finished> wait_any(double timeout_s);
+  size_t in_flight();
+  std::string describe(uint64_t id);
+  std::string transport_of(int peer);
+  void close(double grace_s);
+
+  // EngineSink
+  void on_ctrl(int peer, const CtrlHeader& h, const uint8_t* payload) override;
+  DataLease data_begin(int peer, const CtrlHeader& h) override;
+  void data_end(DataLease& lease, uint64_t bytes) override;
+  void recv_landed(int peer, uint64_t recv_id) override;
+  bool send_chunk_begin(const std::shared_ptr<Request>& req) override;
+  void send_chunk_end(const std::shared_ptr<Request>& req, uint64_t bytes, const std::string& error) override;
+  void on_peer_gone(int peer, bool graceful, const std::string& reason) override;
+  void enqueue_send_job(std::shared_ptr<SendJob> job) override;
+
+ private:
+  struct Arrival {
+    CtrlHeader header;
+    std::vector<uint8_t> payload;  // Eager data
+  };
+  struct PeerState {
+    std::unordered_map<int64_t, std::deque<std::shared_ptr<Request>>> posted;
+    std::unordered_map<int64_t, std::deque<Arrival>> arrived;  // no irecv matched yet
+    bool gone = false;
+    bool gone_final = false;  // drained; pending requests failed
+    std::string gone_reason;
+  };
+
+  std::shared_ptr<Request> make_request(bool is_send, uintptr_t data, uint64_t nbytes, uint32_t dtype,
+                                        const std::vector<int64_t>& shape, int peer, int64_t tag, double timeout_s);
+  void check_ready(const char* op, int peer, const char* peer_arg) const;
+  // ---- the following need mu_ held
+  void accept_arrival(const std::shared_ptr<Request>& recv, const CtrlHeader& h, const uint8_t* payload);
+  void fail(const std::shared_ptr<Request>& req, ErrorKind kind, const std::string& message);
+  void finish(const std::shared_ptr<Request>& req);
+  void maybe_publish(const std::shared_ptr<Request>& req);
+  void fail_peer_requests(int peer);
+  std::shared_ptr<Request> find(uint64_t id);
+  std::string describe(const Request& r) const;
+  std::string dtype_name(uint32_t code) const;
+  Finished take(uint64_t id);
+  // ----
+  void monitor_loop();
+  void send_loop();
+
+  EngineConfig cfg_;
+  int listen_fd_ = -1;
+  int listen_port_ = 0;
+  int unix_fd_ = -1;
+  std::string unix_name_;
+  bool connected_ = false;
+  std::unique_ptr<VerbsContext> verbs_;
+  std::unique_ptr<ShmDomain> shm_;
+  std::vector<std::unique_ptr<TcpLink>> links_;
+  std::vector<std::unique_ptr<Channel>> owned_;  // verbs channels
+  std::vector<Channel*> channels_;               // by rank; null for self
+
+  std::mutex mu_;
+  std::condition_variable done_cv_;
+  std::unordered_map<uint64_t, std::shared_ptr<Request>> requests_;
+  std::deque<uint64_t> completed_;
+  std::vector<PeerState> peers_;
+  uint64_t next_id_ = 1;
+  bool closing_ = false;
+
+  std::mutex send_mu_;
+  std::condition_variable send_cv_;
+  std::deque<std::shared_ptr<SendJob>> send_jobs_;
+  bool send_stop_ = false;
+  std::vector<std::thread> send_threads_;
+
+  std::mutex monitor_mu_;
+  std::condition_variable monitor_cv_;
+  bool monitor_stop_ = false;
+  std::thread monitor_;
+};
+
+}  // namespace strdma

@@ -1,0 +1,360 @@
+// Engine: posting, matching by (peer, tag) in posting order, the data path, and how requests
+// finish or fail.
+//
+// Protocol: a send of at most `eager_limit` bytes travels whole in one Eager message and is
+// complete once queued. A larger send first posts an Rts (size, dtype, shape); when an irecv
+// matches it, the receiver checks the sizes and answers Cts, and only then do the bytes move,
+// straight into the receive buffer. So unmatched data never piles up at the receiver, and a
+// receive that is posted late cannot block other tags.
+#include <algorithm>
+
+#include "engine.h"
+
+namespace strdma {
+
+std::string Engine::dtype_name(uint32_t code) const {
+  auto it = cfg_.dtype_names.find(code);
+  return it != cfg_.dtype_names.end() ? it->second : "dtype#" + std::to_string(code);
+}
+
+std::string Engine::describe(const Request& r) const {
+  std::string s = r.is_send ? "isend(dst=" : "irecv(src=";
+  s += std::to_string(r.peer) + ", tag=" + std::to_string(r.tag) + ", " + std::to_string(r.nbytes) + " bytes)";
+  if (r.state != ReqState::Pending) return s;
+  const std::string peer = "rank " + std::to_string(r.peer);
+  if (r.is_send)
+    s += r.matched ? ": " + std::to_string(r.bytes_done) + " bytes sent so far"
+                   : ": " + peer + " has not posted a matching irecv";
+  else
+    s += r.matched ? ": " + std::to_string(r.bytes_done) + " bytes received so far from " + peer
+                   : ": " + peer + " has not sent a matching message";
+  return s;
+}
+
+std::shared_ptr<Request> Engine::find(uint64_t id) {
+  auto it = requests_.find(id);
+  return it == requests_.end() ? nullptr : it->second;
+}
+
+void Engine::check_ready(const char* op, int peer, const char* peer_arg) const {
+  if (!connected_) throw TransportError(std::string(op) + ": the endpoint is not connected (call connect first)");
+  if (closing_) throw TransportError(std::string(op) + ": the endpoint is closed");
+  if (peer < 0 || peer >= cfg_.world_size)
+    throw ArgumentError(std::string(op) + ": " + peer_arg + " must be in [0, " + std::to_string(cfg_.world_size) +
+                        "), got " + std::to_string(peer));
+  if (peer == cfg_.rank)
+    throw ArgumentError(std::string(op) + ": " + peer_arg + "=" + std::to_string(peer) +
+                        " is this endpoint's own rank; sending to oneself is not supported");
+}
+
+std::shared_ptr<Request> Engine::make_request(bool is_send, uintptr_t data, uint64_t nbytes, uint32_t dtype,
+                                              const std::vector<int64_t>& shape, int peer, int64_t tag,
+                                              double timeout_s) {
+  if (shape.size() > static_cast<size_t>(kMaxDims))
+    throw ArgumentError("tensors with more than " + std::to_string(kMaxDims) + " dimensions are not supported (got " +
+                        std::to_string(shape.size()) + ")");
+  if (data == 0 && nbytes != 0) throw ArgumentError("null data pointer for a non-empty tensor");
+  auto r = std::make_shared<Request>();
+  r->is_send = is_send;
+  r->peer = peer;
+  r->tag = tag;
+  r->data = reinterpret_cast<uint8_t*>(data);
+  r->nbytes = nbytes;
+  r->dtype = dtype;
+  r->ndim = static_cast<uint32_t>(shape.size());
+  std::copy(shape.begin(), shape.end(), r->shape);
+  r->timeout_s = timeout_s;
+  r->deadline = deadline_after(timeout_s);
+  return r;
+}
+
+uint64_t Engine::isend(uintptr_t data, uint64_t nbytes, uint32_t dtype, const std::vector<int64_t>& shape, int dst,
+                       int64_t tag, double timeout_s) {
+  check_ready("isend", dst, "dst");
+  auto req = make_request(true, data, nbytes, dtype, shape, dst, tag, timeout_s);
+  std::lock_guard<std::mutex> lk(mu_);
+  req->id = next_id_++;
+  requests_[req->id] = req;
+  if (peers_[dst].gone) {
+    fail(req, ErrorKind::PeerGone, describe(*req) + " failed: " + peers_[dst].gone_reason);
+    return req->id;
+  }
+  Channel* ch = channels_[dst];
+  CtrlHeader h;
+  h.dtype = dtype;
+  h.tag = tag;
+  h.send_id = req->id;
+  h.nbytes = nbytes;
+  h.ndim = req->ndim;
+  std::copy(req->shape, req->shape + req->ndim, h.shape);
+  // Posting under mu_ keeps messages to one peer in id order, which is what makes matching
+  // by (peer, tag) first-in first-out even when several threads post.
+  if (nbytes <= ch->eager_limit()) {
+    h.type = static_cast<uint32_t>(MsgType::Eager);
+    h.payload_bytes = static_cast<uint32_t>(nbytes);
+    ch->post_ctrl(h, req->data);
+    req->bytes_done = nbytes;
+    finish(req);
+  } else {
+    h.type = static_cast<uint32_t>(MsgType::Rts);
+    ch->post_ctrl(h, nullptr);
+  }
+  return req->id;
+}
+
+uint64_t Engine::irecv(uintptr_t data, uint64_t nbytes, uint32_t dtype, const std::vector<int64_t>& shape, int src,
+                       int64_t tag, double timeout_s) {
+  check_ready("irecv", src, "src");
+  auto req = make_request(false, data, nbytes, dtype, shape, src, tag, timeout_s);
+  std::lock_guard<std::mutex> lk(mu_);
+  req->id = next_id_++;
+  requests_[req->id] = req;
+  PeerState& ps = peers_[src];
+  auto it = ps.arrived.find(tag);
+  if (it != ps.arrived.end() && !it->second.empty()) {
+    Arrival a = std::move(it->second.front());
+    it->second.pop_front();
+    if (it->second.empty()) ps.arrived.erase(it);
+    accept_arrival(req, a.header, a.payload.data());
+  } else if (ps.gone_final) {
+    fail(req, ErrorKind::PeerGone, describe(*req) + " failed: " + ps.gone_reason);
+  } else {
+    ps.posted[tag].push_back(req);
+  }
+  return req->id;
+}
+
+void Engine::accept_arrival(const std::shared_ptr<Request>& recv, const CtrlHeader& h, const uint8_t* payload) {
+  recv->matched = true;
+  recv->remote_id = h.send_id;
+  bool same_shape = h.ndim == recv->ndim && std::equal(recv->shape, recv->shape + recv->ndim, h.shape);
+  if (h.dtype != recv->dtype || h.nbytes != recv->nbytes || !same_shape) {
+    std::string msg = "tensor mismatch for tag " + std::to_string(h.tag) + " from rank " + std::to_string(recv->peer) +
+                      ": the irecv expects " + dtype_name(recv->dtype) + " " + shape_text(recv->shape, recv->ndim) +
+                      " (" + std::to_string(recv->nbytes) + " bytes) but the isend has " + dtype_name(h.dtype) + " " +
+                      shape_text(h.shape, h.ndim) + " (" + std::to_string(h.nbytes) + " bytes)";
+    if (h.type == static_cast<uint32_t>(MsgType::Rts)) {
+      CtrlHeader nack;
+      nack.type = static_cast<uint32_t>(MsgType::Nack);
+      nack.tag = h.tag;
+      nack.send_id = h.send_id;
+      nack.error_kind = static_cast<uint32_t>(ErrorKind::Mismatch);
+      std::string text = "rank " + std::to_string(cfg_.rank) + " refused the message: " + msg;
+      nack.payload_bytes = static_cast<uint32_t>(std::min<size_t>(text.size(), channels_[recv->peer]->eager_limit()));
+      channels_[recv->peer]->post_ctrl(nack, text.data());
+    }
+    fail(recv, ErrorKind::Mismatch, msg);
+    return;
+  }
+  if (h.type == static_cast<uint32_t>(MsgType::Eager)) {
+    if (h.nbytes) std::memcpy(recv->data, payload, h.nbytes);
+    recv->bytes_done = h.nbytes;
+    finish(recv);
+    return;
+  }
+  if (peers_[recv->peer].gone_final) {
+    fail(recv, ErrorKind::PeerGone, describe(*recv) + " failed: " + peers_[recv->peer].gone_reason);
+    return;
+  }
+  CtrlHeader cts;
+  cts.type = static_cast<uint32_t>(MsgType::Cts);
+  cts.tag = h.tag;
+  cts.send_id = h.send_id;
+  cts.recv_id = recv->id;
+  cts.nbytes = recv->nbytes;
+  Channel* ch = channels_[recv->peer];
+  std::string error = ch->prepare_recv(*recv, cts);
+  if (!error.empty()) {
+    fail(recv, ErrorKind::Internal, describe(*recv) + ": " + error);
+    return;
+  }
+  ch->post_ctrl(cts, nullptr);
+}
+
+void Engine::on_ctrl(int peer, const CtrlHeader& h, const uint8_t* payload) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (closing_) return;
+  PeerState& ps = peers_[peer];
+  switch (static_cast<MsgType>(h.type)) {
+    case MsgType::Eager:
+    case MsgType::Rts: {
+      auto it = ps.posted.find(h.tag);
+      if (it != ps.posted.end() && !it->second.empty()) {
+        auto recv = it->second.front();
+        it->second.pop_front();
+        if (it->second.empty()) ps.posted.erase(it);
+        accept_arrival(recv, h, payload);
+      } else {
+        Arrival a;
+        a.header = h;
+        if (h.type == static_cast<uint32_t>(MsgType::Eager)) a.payload.assign(payload, payload + h.payload_bytes);
+        ps.arrived[h.tag].push_back(std::move(a));
+      }
+      break;
+    }
+    case MsgType::Cts: {
+      auto send = find(h.send_id);
+      // A Cts for a send that already failed (timeout) is stale: our Nack tells the receiver.
+      if (!send || !send->is_send || send->state != ReqState::Pending || send->peer != peer) break;
+      send->matched = true;
+      send->remote_id = h.recv_id;
+      channels_[peer]->start_data(send, h.recv_id, h);
+      break;
+    }
+    case MsgType::Nack: {
+      std::string reason(reinterpret_cast<const char*>(payload), h.payload_bytes);
+      auto kind = static_cast<ErrorKind>(h.error_kind);
+      if (!h.from_sender) {
+        auto send = find(h.send_id);
+        if (send && send->is_send && send->peer == peer)
+          fail(send, kind, describe(*send) + " failed: " + reason);
+        break;
+      }
+      // The sender gave up. Its Rts may still wait unmatched here, or a receive may hold it.
+      auto it = ps.arrived.find(h.tag);
+      if (it != ps.arrived.end()) {
+        auto& q = it->second;
+        q.erase(std::remove_if(q.begin(), q.end(), [&](const Arrival& a) { return a.header.send_id == h.send_id; }),
+                q.end());
+        if (q.empty()) ps.arrived.erase(it);
+      }
+      for (auto& kv : requests_) {
+        auto& r = kv.second;
+        if (!r->is_send && r->peer == peer && r->matched && r->remote_id == h.send_id &&
+            r->state == ReqState::Pending) {
+          fail(r, kind, describe(*r) + " failed: " + reason);
+          break;
+        }
+      }
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+DataLease Engine::data_begin(int peer, const CtrlHeader& h) {
+  std::lock_guard<std::mutex> lk(mu_);
+  DataLease lease;
+  auto r = find(h.recv_id);
+  if (!r || r->is_send || r->peer != peer || r->state != ReqState::Pending || r->remote_id != h.send_id ||
+      h.offset + h.nbytes > r->nbytes)
+    return lease;
+  ++r->busy;
+  lease.req = r;
+  lease.dst = r->data + h.offset;
+  return lease;
+}
+
+void Engine::data_end(DataLease& lease, uint64_t bytes) {
+  if (!lease.req) return;
+  std::lock_guard<std::mutex> lk(mu_);
+  auto& r = lease.req;
+  --r->busy;
+  if (r->state == ReqState::Pending) {
+    r->bytes_done += bytes;
+    if (r->bytes_done == r->nbytes) finish(r);
+  } else {
+    maybe_publish(r);
+  }
+  lease.req.reset();
+}
+
+void Engine::recv_landed(int peer, uint64_t recv_id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto r = find(recv_id);
+  if (!r || r->is_send || r->peer != peer || r->state != ReqState::Pending) return;
+  r->bytes_done = r->nbytes;
+  finish(r);
+}
+
+bool Engine::send_chunk_begin(const std::shared_ptr<Request>& req) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (req->state != ReqState::Pending) return false;
+  ++req->busy;
+  return true;
+}
+
+void Engine::send_chunk_end(const std::shared_ptr<Request>& req, uint64_t bytes, const std::string& error) {
+  std::lock_guard<std::mutex> lk(mu_);
+  --req->busy;
+  if (req->state == ReqState::Pending) {
+    if (!error.empty()) {
+      fail(req, ErrorKind::PeerGone, describe(*req) + " failed: " + error);
+      return;
+    }
+    req->bytes_done += bytes;
+    if (req->bytes_done == req->nbytes) finish(req);
+  } else {
+    maybe_publish(req);
+  }
+}
+
+void Engine::finish(const std::shared_ptr<Request>& req) {
+  if (req->state != ReqState::Pending) return;
+  req->state = ReqState::Done;
+  maybe_publish(req);
+}
+
+void Engine::fail(const std::shared_ptr<Request>& req, ErrorKind kind, const std::string& message) {
+  if (req->state != ReqState::Pending) return;
+  req->state = ReqState::Failed;
+  req->error_kind = kind;
+  req->error = message;
+  req->aborted.store(true);
+  PeerState& ps = peers_[req->peer];
+  if (!req->is_send && !req->matched) {
+    auto it = ps.posted.find(req->tag);
+    if (it != ps.posted.end()) {
+      auto& q = it->second;
+      q.erase(std::remove(q.begin(), q.end(), req), q.end());
+      if (q.empty()) ps.posted.erase(it);
+    }
+  }
+  // Tell a live peer that this side gave up, so its half of the transfer fails now instead of
+  // at its own timeout. Only needed once the peer knows about the transfer.
+  bool tell = !ps.gone && !closing_ && (kind == ErrorKind::Timeout || kind == ErrorKind::Internal) &&
+              (req->is_send || req->matched);
+  if (tell && channels_[req->peer]) {
+    CtrlHeader nack;
+    nack.type = static_cast<uint32_t>(MsgType::Nack);
+    nack.tag = req->tag;
+    nack.error_kind = static_cast<uint32_t>(kind);
+    nack.from_sender = req->is_send ? 1 : 0;
+    nack.send_id = req->is_send ? req->id : req->remote_id;
+    nack.recv_id = req->is_send ? req->remote_id : req->id;
+    std::string text = "rank " + std::to_string(cfg_.rank) + " abandoned the transfer: " + message;
+    nack.payload_bytes = static_cast<uint32_t>(std::min<size_t>(text.size(), channels_[req->peer]->eager_limit()));
+    channels_[req->peer]->post_ctrl(nack, text.data());
+  }
+  maybe_publish(req);
+}
+
+void Engine::maybe_publish(const std::shared_ptr<Request>& req) {
+  // A failed request is reported only after every thread copying into or out of its buffer
+  // finished, because the Python side frees the tensor as soon as it sees the outcome.
+  if (req->state == ReqState::Pending || req->busy > 0 || req->published) return;
+  req->published = true;
+  if (channels_[req->peer]) channels_[req->peer]->request_finished(*req);
+  completed_.push_back(req->id);
+  done_cv_.notify_all();
+}
+
+void Engine::fail_peer_requests(int peer) {
+  PeerState& ps = peers_[peer];
+  ps.gone_final = true;
+  std::vector<std::shared_ptr<Request>> victims;
+  for (auto& kv : requests_)
+    if (kv.second->peer == peer && kv.second->state == ReqState::Pending) victims.push_back(kv.second);
+  for (auto& r : victims) fail(r, ErrorKind::PeerGone, describe(*r) + " failed: " + ps.gone_reason);
+  // Rendezvous announcements can never be served now; buffered Eager data still can.
+  for (auto it = ps.arrived.begin(); it != ps.arrived.end();) {
+    auto& q = it->second;
+    q.erase(std::remove_if(q.begin(), q.end(),
+                           [](const Arrival& a) { return a.header.type == static_cast<uint32_t>(MsgType::Rts); }),
+            q.end());
+    it = q.empty() ? ps.arrived.erase(it) : std::next(it);
+  }
+}
+
+}  // namespace strdma

@@ -1,0 +1,121 @@
+// Shared-memory transport between ranks on one host.
+//
+// Each rank owns one segment, its inbox: for every local peer it holds a control ring (small
+// slots: Eager/Rts/Cts/Nack) and a bulk ring (large slots: Data chunks), written by that peer
+// and drained by this rank's receive threads. A doorbell futex in the segment header wakes
+// those threads. The segment is created exclusively under a job- and rank-scoped name and
+// unlinked at once; peers receive its file descriptor over a Unix socket, so no name is
+// left in /dev/shm whatever happens to any process afterwards.
+#pragma once
+
+#include <atomic>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ring.h"
+#include "transport.h"
+
+namespace strdma {
+
+struct ShmOptions {
+  uint32_t ctrl_slots = 128;
+  uint32_t ctrl_slot_payload = 4096;   // header + Eager payload
+  uint32_t bulk_slots = 8;
+  uint32_t bulk_slot_payload = 1 << 20;  // header + one Data chunk
+  int spin_us = 50;                     // busy-poll this long before sleeping on the doorbell
+};
+
+struct alignas(64) SegmentHeader {
+  uint64_t magic;
+  uint32_t version;
+  int32_t owner_rank;
+  int32_t world_size;
+  uint32_t reserved;
+  uint64_t total_bytes;
+  char pad0[32];
+  std::atomic<uint32_t> doorbell;  // bumped by every producer after publishing
+  std::atomic<uint32_t> sleepers;  // receive threads asleep on the doorbell
+  char pad1[56];
+  // followed by world_size entries of {ctrl ring offset, bulk ring offset}; 0 = no ring
+};
+
+class ShmDomain;
+
+class ShmChannel : public Channel {
+ public:
+  ShmChannel(EngineSink& sink, ShmDomain& domain, int my_rank, int peer, void* peer_base, size_t peer_bytes);
+  ~ShmChannel() override;
+
+  const char* kind() const override { return "shm"; }
+  uint64_t eager_limit() const override;
+  void post_ctrl(const CtrlHeader& h, const void* payload) override;
+  void start_data(const std::shared_ptr<Request>& send, uint64_t recv_id, const CtrlHeader& cts) override;
+  std::string push_chunk(SendJob& job, uint64_t offset, uint64_t bytes) override;
+  bool inbound_pending() override;
+  bool flush() override;
+  void peer_gone() override;
+
+  // Receive-thread side: consume messages this peer published into our inbox.
+  bool poll_ctrl();
+  bool poll_bulk();
+
+ private:
+  bool try_push_ctrl(const CtrlHeader& h, const void* payload);
+  void ring_peer_doorbell();
+
+  EngineSink& sink_;
+  ShmDomain& domain_;
+  int my_rank_;
+  int peer_;
+  void* peer_base_;
+  size_t peer_bytes_;
+  SegmentHeader* peer_header_;
+  Ring out_ctrl_, out_bulk_;  // in the peer's segment: we produce
+  Ring in_ctrl_, in_bulk_;    // in our segment: the peer produces
+  std::atomic<bool> gone_{false};
+  std::mutex produce_mu_;  // keeps control messages in posting order
+  std::deque<std::vector<uint8_t>> queued_;  // control messages that found the ring full
+  std::mutex consume_mu_;  // one consumer at a time per control ring, to keep order
+};
+
+class ShmDomain {
+ public:
+  // Creates and maps this rank's inbox with rings for `local_peers`; unlinks its name at once.
+  ShmDomain(EngineSink& sink, const ShmOptions& options, const std::string& job_id, int my_rank, int world_size,
+            const std::vector<int>& local_peers);
+  ~ShmDomain();
+
+  int inbox_fd() const { return fd_; }
+  const ShmOptions& options() const { return options_; }
+  // Maps a peer's inbox from the descriptor it handed over and returns the channel to it.
+  ShmChannel* attach_peer(int peer, int fd);
+  void start(int recv_threads);
+  void stop();
+  // Ring offsets inside a segment for messages produced by `source`.
+  static bool ring_offsets(void* base, int source, uint64_t* ctrl, uint64_t* bulk);
+  void* inbox_base() const { return base_; }
+
+ private:
+  void recv_loop();
+
+  EngineSink& sink_;
+  ShmOptions options_;
+  int my_rank_;
+  int world_size_;
+  int fd_ = -1;
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+  SegmentHeader* header_ = nullptr;
+  std::vector<std::unique_ptr<ShmChannel>> channels_;
+  std::vector<std::thread> threads_;
+  std::atomic<bool> stop_{false};
+};
+
+// Name of the (immediately unlinked) segment, exposed for tests of name hygiene.
+std::string shm_segment_name(const std::string& job_id, int rank);
+
+}  // namespace strdma

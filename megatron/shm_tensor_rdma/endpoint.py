@@ -1,0 +1,465 @@
+"""The public API: an Endpoint per rank posts asynchronous tensor sends and receives, and
+Handles report their completion. The C++ core does the work on its own threads; this module
+checks arguments, keeps tensors alive while the core uses them, and raises typed errors."""
+from __future__ import annotations
+
+import atexit
+import math
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterable, Sequence
+
+import torch
+
+from . import _C
+from .dtypes import dtype_code, dtype_names
+from .errors import EndpointClosedError, PeerError, TransferTimeout, TransportError, error_for
+from .host import default_host, host_key
+from .staging import PinnedPool
+
+_TRANSPORTS = ("shm", "verbs", "tcp")
+_INT64 = (-(2**63), 2**63 - 1)
+_PENDING, _DONE, _FAILED = 0, 1, 2
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "<config default>"
+
+
+DEFAULT = _Default()
+
+
+@dataclass(kw_only=True, slots=True)
+class EndpointConfig:
+    """Tuning and policy of one endpoint. Defaults suit a few ranks per host."""
+
+    send_threads: int = 2          # threads that copy outgoing chunks (shared memory)
+    recv_threads: int = 2          # threads that drain the inbox (shared memory)
+    workload_bytes: int = 1 << 20  # chunk size: large tensors are split across threads by it
+    eager_bytes: int = 4096        # messages up to this size skip the size handshake
+    shm_ctrl_slots: int = 128      # control slots per peer (power of two)
+    shm_bulk_slots: int = 8        # data chunk slots per peer (power of two)
+    spin_us: int = 50              # receive threads poll this long before sleeping
+    transports: tuple[str, ...] = _TRANSPORTS  # allowed; chosen per peer: shm > verbs > tcp
+    verbs_device: str = ""         # RDMA device name; "" = first with an active port
+    transfer_timeout: float | None = 600.0  # default per-transfer timeout (None: none)
+    connect_timeout: float = 120.0
+    bind_host: str = "0.0.0.0"
+    host_key: str | None = None    # None: boot id + network namespace (see host.host_key)
+
+    def validate(self) -> None:
+        unknown = set(self.transports) - set(_TRANSPORTS)
+        if unknown or not self.transports:
+            raise ValueError(f"transports must be a non-empty subset of {_TRANSPORTS}, got {self.transports}")
+        if self.transfer_timeout is not None and not self.transfer_timeout > 0:
+            raise ValueError(f"transfer_timeout must be > 0 or None, got {self.transfer_timeout}")
+        if not self.connect_timeout > 0:
+            raise ValueError(f"connect_timeout must be > 0, got {self.connect_timeout}")
+
+
+class Handle:
+    """One posted isend or irecv. `tensor` is the sent tensor or the receive buffer."""
+
+    __slots__ = ("_endpoint", "id", "kind", "peer", "tag", "tensor", "_wire", "_state", "_error")
+
+    def __init__(self, endpoint: "Endpoint", request_id: int, kind: str, peer: int, tag: int,
+                 tensor: torch.Tensor, wire: torch.Tensor) -> None:
+        self._endpoint = endpoint
+        self.id = request_id
+        self.kind = kind
+        self.peer = peer
+        self.tag = tag
+        self.tensor = tensor
+        self._wire = wire  # the host memory the core reads or writes (a staging copy for CUDA)
+        self._state = _PENDING
+        self._error: TransportError | None = None
+
+    @property
+    def done(self) -> bool:
+        """Finished, successfully or not (never raises)."""
+        if self._state == _PENDING:
+            self._endpoint._refresh(self)
+        return self._state != _PENDING
+
+    def exception(self) -> TransportError | None:
+        """The failure, once finished with one."""
+        self.done
+        return self._error
+
+    def test(self) -> bool:
+        """True once finished successfully; raises the transfer's error if it failed."""
+        if not self.done:
+            return False
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        """Alias of test() matching megatron.app.transport's Handle protocol."""
+        return self.test()
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """Blocks (without the GIL) until finished; returns `tensor`.
+
+        Raises TransferTimeout naming the peer if `timeout` seconds pass first (the transfer
+        keeps going and can be waited for again), or the transfer's own error."""
+        if self._state == _PENDING:
+            self._endpoint._wait_handle(self, timeout)
+        if self._error is not None:
+            raise self._error
+        return self.tensor
+
+    def __repr__(self) -> str:
+        state = {_PENDING: "pending", _DONE: "done", _FAILED: "failed"}[self._state]
+        arrow = "to" if self.kind == "send" else "from"
+        return (f"Handle({self.kind} {arrow} rank {self.peer}, tag={self.tag}, "
+                f"{tuple(self.tensor.shape)} {self.tensor.dtype}, {state})")
+
+
+class Endpoint:
+    """This rank's end of the P2P library: isend/irecv to any rank of the job.
+
+    Build it with explicit addresses (one "host:port" per rank, this rank listens on its own)
+    or with `from_store` / `from_process_group`, which bind a free port and swap addresses
+    through a torch.distributed Store. Transports are chosen per peer: shared memory on the
+    same host, else RDMA verbs when both sides have a device, else TCP.
+    """
+
+    def __init__(self, job_id: str, rank: int, world_size: int, peer_addresses: Sequence[str], *,
+                 config: EndpointConfig | None = None) -> None:
+        _check_rank_args(rank, world_size)
+        addresses = [str(a) for a in peer_addresses]
+        if len(addresses) != world_size:
+            raise ValueError(f"peer_addresses has {len(addresses)} entries, expected world_size={world_size}")
+        port = _port_of(addresses[rank], rank)
+        self._start(job_id, rank, world_size, config, port)
+        self._connect(addresses)
+
+    @classmethod
+    def from_store(cls, store: torch.distributed.Store, job_id: str, rank: int, world_size: int, *,
+                   host: str | None = None, config: EndpointConfig | None = None) -> "Endpoint":
+        """Binds a free port, publishes "host:port" in `store` and reads every other rank's.
+
+        All ranks must call it with the same job_id. Creating the endpoint again later with the
+        same store and job_id works: each round of creations uses fresh keys."""
+        _check_rank_args(rank, world_size)
+        self = cls.__new__(cls)
+        self._start(job_id, rank, world_size, config, 0)
+        try:
+            prefix = f"shm_tensor_rdma/{job_id}/"
+            generation = (store.add(prefix + "joined", 1) - 1) // world_size
+            keys = [f"{prefix}{generation}/{r}" for r in range(world_size)]
+            store.set(keys[rank], f"{host or default_host()}:{self._engine.listen_port}")
+            store.wait(keys, timedelta(seconds=self._config.connect_timeout))
+            addresses = [store.get(k).decode() for k in keys]
+        except BaseException:
+            self.close()
+            raise
+        self._connect(addresses)
+        return self
+
+    @classmethod
+    def from_process_group(cls, job_id: str = "default", *, host: str | None = None,
+                           config: EndpointConfig | None = None) -> "Endpoint":
+        """An endpoint over all ranks of the default process group, using its store."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
+        store = dist.distributed_c10d._get_default_store()
+        return cls.from_store(store, job_id, dist.get_rank(), dist.get_world_size(), host=host, config=config)
+
+    # ------------------------------------------------------------------ setup
+
+    def _start(self, job_id: str, rank: int, world_size: int, config: EndpointConfig | None, port: int) -> None:
+        self._closed = True  # until the engine exists, so close() is safe on failure
+        self._config = config if config is not None else EndpointConfig()
+        self._config.validate()
+        if not isinstance(job_id, str) or not job_id or "\n" in job_id:
+            raise ValueError(f"job_id must be a non-empty single-line string, got {job_id!r}")
+        self.job_id, self.rank, self.world_size = job_id, rank, world_size
+        c = self._config
+        cfg = _C.EngineConfig()
+        cfg.job_id, cfg.rank, cfg.world_size = job_id, rank, world_size
+        cfg.host_key = c.host_key if c.host_key is not None else host_key()
+        cfg.bind_host, cfg.bind_port = c.bind_host, port
+        cfg.send_threads, cfg.recv_threads = c.send_threads, c.recv_threads
+        cfg.workload_bytes, cfg.eager_bytes = c.workload_bytes, c.eager_bytes
+        cfg.shm_ctrl_slots, cfg.shm_bulk_slots, cfg.spin_us = c.shm_ctrl_slots, c.shm_bulk_slots, c.spin_us
+        cfg.allow_shm, cfg.allow_tcp, cfg.allow_verbs = ("shm" in c.transports, "tcp" in c.transports,
+                                                         "verbs" in c.transports)
+        cfg.verbs_device = c.verbs_device
+        cfg.dtype_names = dtype_names()
+        self._engine = _C.Engine(cfg)
+        self._lock = threading.Lock()
+        self._handles: dict[int, Handle] = {}
+        self._pinned = PinnedPool()
+        self._closed = False
+        self._connected = False
+        _OPEN.add(self)
+
+    def _connect(self, addresses: list[str]) -> None:
+        try:
+            self._engine.connect(addresses, float(self._config.connect_timeout))
+        except _C.PeerSetupError as e:
+            self.close()
+            message, peer = e.args
+            raise PeerError(f"rank {self.rank}: endpoint setup failed: {message}", peer) from None
+        except BaseException:
+            self.close()
+            raise
+        self.addresses = tuple(addresses)
+        self._connected = True
+
+    # ------------------------------------------------------------------ posting
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, *,
+              timeout: float | None | _Default = DEFAULT) -> Handle:
+        """Starts sending `tensor` to rank `dst`; the receiver matches it by (this rank, tag).
+
+        Messages with the same (dst, tag) are received in posting order. Do not modify the
+        tensor until the handle finished."""
+        self._check_open("isend")
+        tensor = _check_tensor(tensor, "isend")
+        wire = tensor
+        if tensor.device.type != "cpu":
+            wire = self._pinned.take(tensor.shape, tensor.dtype)
+            wire.copy_(tensor)
+        elif not tensor.is_contiguous():
+            wire = tensor.contiguous()
+        return self._post(True, tensor, wire, dst, tag, timeout)
+
+    def irecv(self, out: torch.Tensor | tuple[Sequence[int], torch.dtype], src: int, tag: int, *,
+              timeout: float | None | _Default = DEFAULT, device: torch.device | str | None = None) -> Handle:
+        """Starts receiving from rank `src` into `out`, or into a new tensor when `out` is
+        (shape, dtype) (allocated on `device`, default CPU). The sender's dtype and shape must
+        match, else the handle fails with TensorMismatchError."""
+        self._check_open("irecv")
+        if isinstance(out, tuple):
+            if len(out) != 2 or not isinstance(out[1], torch.dtype):
+                raise ValueError("irecv(out=...) takes a tensor or a (shape, dtype) pair")
+            try:
+                out = torch.empty(tuple(int(s) for s in out[0]), dtype=out[1], device=device or "cpu")
+            except (TypeError, RuntimeError) as e:
+                raise ValueError(f"irecv: cannot allocate a tensor of shape {out[0]!r}: {e}") from None
+        out = _check_tensor(out, "irecv")
+        if not out.is_contiguous():
+            raise ValueError("irecv: the out tensor must be contiguous (or pass (shape, dtype) to allocate one)")
+        wire = out if out.device.type == "cpu" else self._pinned.take(out.shape, out.dtype)
+        return self._post(False, out, wire, src, tag, timeout)
+
+    def _post(self, is_send: bool, tensor: torch.Tensor, wire: torch.Tensor, peer: int, tag: int,
+              timeout: float | None | _Default) -> Handle:
+        peer, tag = _check_int(peer, "dst" if is_send else "src"), _check_int(tag, "tag")
+        if not _INT64[0] <= tag <= _INT64[1]:
+            raise ValueError(f"tag must fit in a signed 64-bit integer, got {tag}")
+        seconds = self._timeout_seconds(timeout)
+        post = self._engine.isend if is_send else self._engine.irecv
+        nbytes = wire.numel() * wire.element_size()
+        # The lock makes registering the handle atomic with posting, so a completion reported
+        # by another thread's poll() always finds its handle.
+        with self._lock:
+            request_id = post(wire.data_ptr(), nbytes, dtype_code(wire.dtype), list(wire.shape), peer, tag, seconds)
+            handle = Handle(self, request_id, "send" if is_send else "recv", peer, tag, tensor, wire)
+            self._handles[request_id] = handle
+        return handle
+
+    def _timeout_seconds(self, timeout: float | None | _Default) -> float:
+        if isinstance(timeout, _Default):
+            timeout = self._config.transfer_timeout
+        if timeout is None:
+            return -1.0
+        if not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        return float(timeout)
+
+    # ------------------------------------------------------------------ completion
+
+    def poll(self, *, raise_errors: bool = True) -> list[Handle]:
+        """Handles finished since the last poll()/wait_any() and not yet observed through
+        their own test()/wait(). Each finished handle is reported once.
+
+        With raise_errors, a failed handle raises its error (its `finished` attribute holds
+        every handle of this batch, failed ones included)."""
+        with self._lock:
+            batch = self._apply(self._engine.poll())
+        return _deliver(batch, raise_errors)
+
+    def wait_any(self, timeout: float | None = None, *, raise_errors: bool = True) -> list[Handle]:
+        """Like poll(), but blocks without the GIL until at least one handle finished.
+        Returns [] when `timeout` seconds pass first or nothing is in flight."""
+        self._check_open("wait_any")
+        seconds = -1.0 if timeout is None else max(0.0, float(timeout))
+        finished = self._engine.wait_any(seconds)
+        with self._lock:
+            batch = self._apply(finished)
+        return _deliver(batch, raise_errors)
+
+    def wait_all(self, handles: Iterable[Handle], timeout: float | None = None) -> None:
+        """Waits for every handle; raises the first error, or TransferTimeout when the total
+        `timeout` passes first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for h in handles:
+            h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    @property
+    def in_flight(self) -> int:
+        """Posted transfers that have not finished yet."""
+        engine = getattr(self, "_engine", None)
+        return engine.in_flight() if engine is not None else 0
+
+    def transport(self, peer: int) -> str:
+        """"shm", "verbs" or "tcp": how this endpoint reaches `peer` ("self" for its own rank)."""
+        return self._engine.transport_of(_check_int(peer, "peer"))
+
+    def _apply(self, finished: list[tuple[int, int, int, str]]) -> list[Handle]:
+        out = []
+        for request_id, state, kind, message in finished:
+            handle = self._handles.get(request_id)
+            if handle is not None:
+                self._settle(handle, state, kind, message)
+                out.append(handle)
+        return out
+
+    def _settle(self, handle: Handle, state: int, kind: int, message: str) -> None:
+        """Records the outcome and lets go of the memory (called with the lock held)."""
+        self._handles.pop(handle.id, None)
+        if state == _FAILED:
+            handle._error = error_for(kind, message, handle.peer)
+        elif handle.kind == "recv" and handle._wire is not handle.tensor:
+            handle.tensor.copy_(handle._wire)  # a CUDA receive: one copy out of the staging buffer
+        if handle._wire is not handle.tensor:
+            self._pinned.give(handle._wire)
+        handle._wire = None
+        handle._state = state
+
+    def _refresh(self, handle: Handle) -> None:
+        with self._lock:
+            engine = getattr(self, "_engine", None)
+            if handle._state == _PENDING and engine is not None:
+                request_id, state, kind, message = engine.release(handle.id)
+                if state in (_DONE, _FAILED):
+                    self._settle(handle, state, kind, message)
+
+    def _wait_handle(self, handle: Handle, timeout: float | None) -> None:
+        seconds = -1.0 if timeout is None else max(0.0, float(timeout))
+        deadline = None if timeout is None else time.monotonic() + seconds
+        finished = self._engine.wait(handle.id, seconds)
+        self._refresh(handle)
+        # Another thread's poll() may have taken the outcome and be about to record it.
+        while handle._state == _PENDING and finished:
+            if deadline is not None and time.monotonic() > deadline + 1.0:
+                break
+            time.sleep(0)
+            self._refresh(handle)
+        if handle._state == _PENDING:
+            detail = self._engine.describe(handle.id)
+            raise TransferTimeout(f"rank {self.rank}: {detail}; still not finished after {timeout} s "
+                                  f"(peer rank {handle.peer})", handle.peer)
+
+    # ------------------------------------------------------------------ lifetime
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise EndpointClosedError(f"{op}: endpoint of rank {self.rank} is closed")
+        if not self._connected:
+            raise TransportError(f"{op}: endpoint of rank {self.rank} is not connected")
+
+    def close(self, grace: float = 2.0) -> None:
+        """Fails what is still in flight, says goodbye to the peers (waiting at most `grace`
+        seconds for them to notice) and stops the threads. Idempotent."""
+        engine = getattr(self, "_engine", None)
+        self._closed = True
+        if engine is None:
+            return
+        engine.close(float(grace))
+        with self._lock:
+            self._apply(engine.poll())
+            for handle in list(self._handles.values()):
+                self._settle(handle, _FAILED, 4, f"rank {self.rank}: endpoint closed")
+        self._engine = None
+        _OPEN.discard(self)
+
+    def __enter__(self) -> "Endpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close(grace=0.5)
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"Endpoint(job_id={self.job_id!r}, rank={self.rank}, world_size={self.world_size}, {state})"
+
+
+def _deliver(batch: list[Handle], raise_errors: bool) -> list[Handle]:
+    if raise_errors:
+        for h in batch:
+            if h._error is not None:
+                h._error.finished = batch
+                raise h._error
+    return batch
+
+
+def _check_rank_args(rank: int, world_size: int) -> None:
+    world_size = _check_int(world_size, "world_size")
+    rank = _check_int(rank, "rank")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+
+
+def _check_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            import numpy as np
+
+            if isinstance(value, np.integer):
+                return int(value)
+        except ImportError:  # pragma: no cover
+            pass
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_tensor(tensor, op: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{op}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{op}: only dense (strided) tensors are supported, got layout {tensor.layout}")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{op}: tensors must be on CPU or CUDA, got device {tensor.device}")
+    if tensor.dim() > 32:
+        raise ValueError(f"{op}: tensors with more than 32 dimensions are not supported")
+    return tensor.detach()
+
+
+def _port_of(address: str, rank: int) -> int:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"peer_addresses[{rank}] must look like 'host:port' with a port in 1..65535, "
+                         f"got {address!r}")
+    return int(port)
+
+
+# Endpoints still open at interpreter exit are closed, so peers see a goodbye, not a crash.
+_OPEN: "weakref.WeakSet[Endpoint]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_endpoints() -> None:
+    for endpoint in list(_OPEN):
+        try:
+            endpoint.close(grace=1.0)
+        except Exception:
+            pass
