@@ -1,0 +1,165 @@
+"""Observes every torch.distributed collective by wrapping the functions themselves, so that
+megatron-core's own TP/DP communication is traced without editing it. Each call gets a per-group
+sequence number (counted always, recorded only inside traced windows) for cross-rank matching."""
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from megatron.scan.trace_format import FLAG_ASYNC
+
+# Collectives worth tracing. Object collectives (all_gather_object, ...) are left out on purpose:
+# they are built from these, so their inner tensor collectives are what gets recorded.
+COLLECTIVE_FUNCTIONS: tuple[str, ...] = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
+    "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "reduce", "all_to_all",
+    "all_to_all_single", "barrier", "monitored_barrier", "gather", "scatter",
+)
+# Where the originals are looked up and replaced: the public module and c10d itself (so that one
+# collective implemented through another is seen once, thanks to the reentrancy guard).
+_TARGET_MODULES = (dist, dist.distributed_c10d)
+
+
+@dataclass(slots=True)
+class GroupInfo:
+    """A process group as the trace names it: the name torch gives it (equal on all ranks, since
+    every rank creates every group in the same order), its global ranks and megatron's description."""
+
+    gid: int
+    name: str
+    ranks: tuple[int, ...]
+    desc: str
+    seq: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "ranks": list(self.ranks), "desc": self.desc}
+
+
+def _tensor_size(value: Any) -> tuple[int, str | None]:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size(), str(value.dtype).replace("torch.", "")
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+        return sum(t.numel() * t.element_size() for t in value), str(value[0].dtype).replace("torch.", "")
+    return 0, None
+
+
+class CollectiveObserver:
+    """Installs wrappers around the collectives; `sink(name, start, end, bytes, dtype, group, seq,
+    flags)` is called for each outermost call while `recording` is true."""
+
+    def __init__(self, now: Callable[[], Any], sink: Callable[..., None]) -> None:
+        self.now = now
+        self.sink = sink
+        self.recording = False
+        self.groups: dict[int, GroupInfo] = {}
+        self._by_object: dict[int, tuple[Any, GroupInfo]] = {}
+        self._depth = 0
+        self._originals: dict[str, Callable] = {}
+        self._wrappers: dict[int, Callable] = {}  # id(original) -> wrapper
+        self._rebound: list[tuple[Any, str, Any]] = []
+
+    # --- groups ---------------------------------------------------------------------
+    def group_info(self, group: Any) -> GroupInfo:
+        if group is None:
+            group = dist.distributed_c10d._get_default_group()
+        known = self._by_object.get(id(group))
+        if known is not None and known[0] is group:
+            return known[1]
+        ranks = tuple(dist.get_process_group_ranks(group))
+        name = getattr(group, "group_name", "") or ",".join(map(str, ranks))
+        desc = getattr(group, "group_desc", "") or ""
+        info = GroupInfo(gid=len(self.groups), name=str(name), ranks=ranks, desc=str(desc))
+        self.groups[info.gid] = info
+        self._by_object[id(group)] = (group, info)  # holding the group keeps id() unique
+        return info
+
+    # --- wrapping ---------------------------------------------------------------------
+    def _wrap(self, op: str, original: Callable) -> Callable:
+        signature = inspect.signature(original)
+        parameters = list(signature.parameters)
+        group_index = parameters.index("group") if "group" in parameters else None
+        async_index = parameters.index("async_op") if "async_op" in parameters else None
+        observer = self
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if observer._depth:
+                return original(*args, **kwargs)
+            if "group" in kwargs:
+                group = kwargs["group"]
+            elif group_index is not None and len(args) > group_index:
+                group = args[group_index]
+            else:
+                group = None
+            try:
+                info = observer.group_info(group)
+            except Exception:  # a group this rank is not in: nothing to count or record
+                return original(*args, **kwargs)
+            info.seq += 1
+            if not observer.recording:
+                return original(*args, **kwargs)
+            async_op = kwargs.get("async_op", args[async_index] if async_index is not None and len(args) > async_index else False)
+            size, dtype = 0, None
+            for value in (*args, *kwargs.values()):
+                candidate = _tensor_size(value)
+                if candidate[0] > size:
+                    size, dtype = candidate
+            observer._depth += 1
+            start = observer.now()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                end = observer.now()
+                observer._depth -= 1
+                observer.sink(op, start, end, size, dtype, info.gid, info.seq - 1, FLAG_ASYNC if async_op else 0)
+
+        wrapper.__megascan_original__ = original  # type: ignore[attr-defined]
+        return wrapper
+
+    def install(self, alias_module_prefixes: Iterable[str] = ("megatron",)) -> None:
+        """Replace the collectives in torch.distributed, and every alias of them that already-imported
+        modules hold (megatron-core binds e.g. `dist_all_gather_func = all_gather_into_tensor`)."""
+        if self._originals:
+            return
+        for op in COLLECTIVE_FUNCTIONS:
+            original = getattr(dist.distributed_c10d, op, None) or getattr(dist, op, None)
+            if original is None:
+                continue
+            original = getattr(original, "__megascan_original__", original)
+            self._originals[op] = original
+            self._wrappers[id(original)] = self._wrap(op, original)
+        for module in _TARGET_MODULES:
+            self._rebind_module(module)
+        prefixes = tuple(alias_module_prefixes)
+        for name, module in list(sys.modules.items()):
+            if module is not None and name.startswith(prefixes) and not name.startswith("megatron.scan"):
+                self._rebind_module(module)
+
+    def _rebind_module(self, module: Any) -> None:
+        try:
+            items = list(vars(module).items())
+        except TypeError:
+            return
+        for attribute, value in items:
+            wrapper = self._wrappers.get(id(value)) if callable(value) else None
+            if wrapper is not None:
+                setattr(module, attribute, wrapper)
+                self._rebound.append((module, attribute, value))
+
+    def uninstall(self) -> None:
+        for module, attribute, value in reversed(self._rebound):
+            if getattr(module, attribute, None) is self._wrappers.get(id(value)):
+                setattr(module, attribute, value)
+        self._rebound.clear()
+        self._originals.clear()
+        self._wrappers.clear()
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._originals)

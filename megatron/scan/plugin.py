@@ -1,0 +1,132 @@
+"""The MegaScan trainer plugin: `--trace` flags, and the wiring of tracer, collective observer,
+layer scopes and trace writer into the spine's hooks."""
+from __future__ import annotations
+
+import argparse
+import atexit
+import uuid
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron.app.config import ConfigError
+from megatron.app.observer import set_observer
+from megatron.app.plugins import Plugin, register_plugin
+from megatron.scan.layers import LayerScopes, transformer_layers
+from megatron.scan.timers import build_timer
+from megatron.scan.trace_format import ClockSkew, TraceWriter, header_fields, trace_file_name
+from megatron.scan.tracer import Tracer, WindowSchedule
+
+
+def parse_clock_skew(text: str) -> tuple[int, float, float]:
+    """`RANK:OFFSET_MS[:DRIFT_PPM]` -> (rank, offset ms, drift ppm)."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3):
+        raise ValueError(f"--trace-clock-skew wants RANK:OFFSET_MS[:DRIFT_PPM], got {text!r}")
+    try:
+        return int(parts[0]), float(parts[1]), float(parts[2]) if len(parts) == 3 else 0.0
+    except ValueError:
+        raise ValueError(f"--trace-clock-skew wants RANK:OFFSET_MS[:DRIFT_PPM] with numbers, got {text!r}") from None
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("MegaScan tracing")
+    g.add_argument("--trace", action="store_true", help="record per-rank traces of the training run")
+    g.add_argument("--trace-dir", default="trace", metavar="DIR", help="where the per-rank trace files go")
+    g.add_argument("--trace-interval", type=int, default=5, metavar="N",
+                   help="a traced window starts every N iterations")
+    g.add_argument("--continuous-trace-iterations", type=int, default=2, metavar="K",
+                   help="iterations per traced window (K <= N)")
+    g.add_argument("--trace-granularity", choices=["full", "coarse"], default="coarse",
+                   help="coarse: per-microbatch forward/backward, P2P, collectives, steps; full adds per-layer scopes")
+    g.add_argument("--trace-clock-skew", action="append", default=[], metavar="RANK:OFFSET_MS[:DRIFT_PPM]",
+                   help="testing: make RANK's host clock look OFFSET_MS off (and DRIFT_PPM fast) in its trace")
+
+
+@register_plugin
+class ScanPlugin(Plugin):
+    """`--trace`: record windows of iterations on every rank into DIR/benchmark-data-*.json."""
+
+    name = "scan"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        add_trace_arguments(parser)
+
+    def enabled(self, args: argparse.Namespace) -> bool:
+        return bool(args.trace)
+
+    def configure(self, cfg) -> None:
+        args = cfg.args
+        problems = []
+        if args.trace_interval < 1:
+            problems.append(f"--trace-interval must be >= 1, got {args.trace_interval}")
+        if not 1 <= args.continuous_trace_iterations <= max(1, args.trace_interval):
+            problems.append(f"--continuous-trace-iterations must be in [1, --trace-interval ({args.trace_interval})], "
+                            f"got {args.continuous_trace_iterations}")
+        self.skews = {}
+        for text in args.trace_clock_skew:
+            try:
+                rank, offset_ms, drift_ppm = parse_clock_skew(text)
+                self.skews[rank] = (offset_ms, drift_ppm)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.args = args
+        self.tracer = None
+
+    def setup(self, ctx) -> None:
+        args, cfg = self.args, ctx.cfg
+        # One id for the whole run, so files of two runs mixed in a directory are told apart.
+        holder = [uuid.uuid4().hex[:16] if ctx.rank == 0 else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(holder, src=0)
+        p = cfg.parallel
+        header = header_fields(
+            rank=ctx.rank,
+            world_size=p.world_size,
+            run_id=holder[0],
+            coordinates={"dp": ctx.dp_rank, "pp": ctx.pp_rank, "tp": ctx.tp_rank},
+            sizes={"dp": p.data_parallel_size, "pp": p.pipeline_model_parallel_size,
+                   "tp": p.tensor_model_parallel_size, "vpp": cfg.num_chunks},
+            extra={
+                "device": ctx.backend.name,
+                "timing": "cuda-events" if ctx.backend.name == "cuda" else "host-monotonic",
+                "trace": {"interval": args.trace_interval, "continuous": args.continuous_trace_iterations,
+                          "granularity": args.trace_granularity},
+                "num_microbatches": cfg.num_microbatches,
+                "schedule": [str(task) for task in ctx.schedule],
+                "train_iters": cfg.training.train_iters,
+                "start_iteration": ctx.iteration,
+            },
+        )
+        skew = None
+        if ctx.rank in self.skews:
+            offset_ms, drift_ppm = self.skews[ctx.rank]
+            skew = ClockSkew(offset_ns=int(offset_ms * 1e6), drift=drift_ppm * 1e-6,
+                             reference_ns=header["clock_reference"]["monotonic_ns"])
+        path = Path(args.trace_dir) / trace_file_name(ctx.dp_rank, ctx.pp_rank, ctx.tp_rank)
+        writer = TraceWriter(path, header, skew=skew)
+        self.tracer = Tracer(writer=writer, timer=build_timer(ctx.backend.name, ctx.backend.device),
+                             schedule=WindowSchedule(args.trace_interval, args.continuous_trace_iterations))
+        if args.trace_granularity == "full":
+            self.tracer.layer_scopes = LayerScopes(self.tracer, transformer_layers(ctx.chunks))
+        self.tracer.collectives.install()
+        set_observer(self.tracer)
+        self.train_iters = cfg.training.train_iters
+        # A rank that dies with an exception still gets its finished windows onto disk.
+        atexit.register(self._close, "exit")
+
+    def before_iteration(self, ctx, iteration: int) -> None:
+        self.tracer.begin_iteration(iteration)
+
+    def after_iteration(self, ctx, iteration: int, metrics) -> None:
+        # The spine passes the count of finished iterations; the one just run is iteration - 1.
+        self.tracer.end_iteration(iteration - 1, metrics, last=iteration >= self.train_iters)
+
+    def shutdown(self, ctx) -> None:
+        self._close("shutdown")
+
+    def _close(self, reason: str) -> None:
+        if self.tracer is not None and not self.tracer.closed:
+            self.tracer.close({"reason": reason})

@@ -1,0 +1,89 @@
+"""Timestamp sources for the tracer: the host monotonic clock on CPU, CUDA events on GPU.
+
+`mark()` is called on the hot path and returns a token; tokens become monotonic nanoseconds in
+`resolve`, which runs after the window ends (once the device has been synchronized there).
+"""
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+
+class HostTimer:
+    """Tokens are already `time.perf_counter_ns()` values (CLOCK_MONOTONIC on Linux)."""
+
+    device_timed = False
+
+    def __init__(self) -> None:
+        self.mark = time.perf_counter_ns  # bound once: the hot path pays one call, nothing else
+
+    def window_start(self) -> None:
+        return None
+
+    def window_end(self) -> None:
+        return None
+
+    def resolver(self):
+        return None
+
+
+class CudaTimer:
+    """Tokens are CUDA events recorded on the current stream; nothing synchronizes inside a
+    window. At its end the device is synchronized once and a reference event recorded at the
+    window start, paired with a host timestamp, turns each event into host monotonic time."""
+
+    device_timed = True
+
+    def __init__(self, device=None) -> None:
+        import torch
+
+        self._torch = torch
+        self._device = device
+        self._pool: collections.deque = collections.deque()
+        self._reference = None
+        self._reference_host_ns = 0
+
+    def _event(self):
+        try:
+            return self._pool.pop()
+        except IndexError:
+            return self._torch.cuda.Event(enable_timing=True)
+
+    def mark(self):
+        event = self._event()
+        event.record()
+        return event
+
+    def window_start(self) -> None:
+        # Allowed sync point: between iterations, before the window's first event.
+        self._torch.cuda.synchronize(self._device)
+        self._reference = self._event()
+        self._reference.record()
+        self._torch.cuda.synchronize(self._device)
+        self._reference_host_ns = time.perf_counter_ns()
+
+    def window_end(self) -> None:
+        self._torch.cuda.synchronize(self._device)
+
+    def resolver(self):
+        """A function for the writer thread: replaces event tokens in the event tuples by ns."""
+        reference, host_ns, pool = self._reference, self._reference_host_ns, self._pool
+        event_type = self._torch.cuda.Event
+
+        def to_ns(token: Any) -> int:
+            if isinstance(token, event_type):
+                ns = host_ns + int(reference.elapsed_time(token) * 1e6)
+                pool.append(token)
+                return ns
+            return token
+
+        def resolve(events: list[tuple]) -> list[tuple]:
+            return [(e[0], to_ns(e[1]), to_ns(e[2]), *e[3:]) for e in events]
+
+        return resolve
+
+
+def build_timer(device_kind: str, device=None):
+    """The switch between the two timing paths (`cpu` or `cuda`)."""
+    return CudaTimer(device) if device_kind == "cuda" else HostTimer()

@@ -1,0 +1,337 @@
+"""The per-rank trace file: a JSON header line, then one self-contained JSON line per traced window
+(columnar events), then an end line. Written append-only by a background thread; read back
+into NumPy columns. Every module that produces timing writes this one format."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+FORMAT = "megascan-trace"
+VERSION = 1
+
+# Integer event columns, in the order an event tuple holds them after its name. -1 means "not set".
+# start_ns/end_ns are nanoseconds since the window's reference pair (clock.monotonic_ns).
+INT_COLUMNS: tuple[str, ...] = (
+    "start_ns", "end_ns", "iteration", "microbatch", "chunk", "bytes", "peer", "group", "seq", "layer", "flags",
+)
+# Columns holding an index into the window's `names` table.
+NAME_COLUMNS: tuple[str, ...] = ("name", "dtype")
+COLUMNS: tuple[str, ...] = ("name", *INT_COLUMNS, "dtype")
+
+# Bits of the `flags` column.
+FLAG_BACKWARD = 1  # a P2P message of the backward pass (gradient), else activation
+FLAG_ASYNC = 2  # an async collective: `end_ns` is when it was issued, not when it finished
+FLAG_DEVICE_TIME = 4  # timed by device events (CUDA), not the host clock
+FLAG_INSTANT = 8  # a point event (start == end)
+
+
+class TraceFormatError(ValueError):
+    """A trace file cannot be read; the message names the file and what is wrong."""
+
+
+def trace_file_name(dp: int, pp: int, tp: int, virtual: str | None = None) -> str:
+    """`benchmark-data-{dp}-pipeline-{pp}-tensor-{tp}.json` (the seed's naming, kept for its tools);
+    `virtual` distinguishes several roles played by one physical rank (FBD)."""
+    suffix = f"-{virtual}" if virtual else ""
+    return f"benchmark-data-{dp}-pipeline-{pp}-tensor-{tp}{suffix}.json"
+
+
+def clock_pair() -> dict[str, int]:
+    """A wall-clock / monotonic reference pair. The wall read is bracketed by two monotonic reads
+    and paired with their midpoint, so the pair is good to about a microsecond."""
+    before = time.perf_counter_ns()
+    wall = time.time_ns()
+    after = time.perf_counter_ns()
+    return {"wall_ns": wall, "monotonic_ns": (before + after) // 2}
+
+
+@dataclass(kw_only=True, slots=True)
+class WindowRecord:
+    """One traced window as handed to the writer: events are tuples `(name, *INT_COLUMNS, dtype)`
+    with absolute monotonic times; the writer makes them relative and columnar."""
+
+    window: int
+    iterations: tuple[int, int]  # first and last iteration in the window
+    clock_start: dict[str, int]
+    clock_end: dict[str, int]
+    events: list[tuple]
+    groups: dict[int, dict[str, Any]]  # group id -> {"name", "ranks", "desc"}
+    metrics: list[dict[str, Any]] = field(default_factory=list)  # per iteration: time, loss
+    resolve: Callable[[list[tuple]], list[tuple]] | None = None  # device events -> ns, off the hot path
+    dropped: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ClockSkew:
+    """Testing aid: makes one rank's host look as if its wall clock were `offset_ns` off and its
+    monotonic clock ran `drift` (a fraction, 1e-4 = 100 ppm) fast, applied off the hot path."""
+
+    offset_ns: int
+    drift: float = 0.0
+    reference_ns: int = 0  # monotonic time from which the drift accumulates
+
+    def wall(self, t: int) -> int:
+        return t + self.offset_ns
+
+    def mono(self, t: int) -> int:
+        return t + int(self.drift * (t - self.reference_ns))
+
+
+def encode_window(record: WindowRecord, skew: ClockSkew | None = None) -> bytes:
+    """Turn a window into one JSON line: intern names, make times relative, store columns."""
+    events = record.resolve(record.events) if record.resolve is not None else record.events
+    clock_start = dict(record.clock_start)
+    clock_end = dict(record.clock_end)
+    if skew is not None:
+        # Testing: pretend this rank's host clocks are off (see --trace-clock-skew).
+        for pair in (clock_start, clock_end):
+            pair["wall_ns"] = skew.wall(pair["wall_ns"])
+            pair["monotonic_ns"] = skew.mono(pair["monotonic_ns"])
+    names: dict[str, int] = {}
+    intern = names.setdefault
+    base = record.clock_start["monotonic_ns"]
+    columns: dict[str, list] = {c: [] for c in COLUMNS}
+    used_groups: set[int] = set()
+    if events:
+        rows = list(zip(*events))
+        columns["name"] = [intern(n, len(names)) for n in rows[0]]
+        for i, column in enumerate(INT_COLUMNS, start=1):
+            columns[column] = list(rows[i])
+        columns["dtype"] = [-1 if d is None else intern(d, len(names)) for d in rows[-1]]
+        if skew is not None:
+            columns["start_ns"] = [skew.mono(t) for t in columns["start_ns"]]
+            columns["end_ns"] = [skew.mono(t) for t in columns["end_ns"]]
+            base_out = clock_start["monotonic_ns"]
+        else:
+            base_out = base
+        columns["start_ns"] = [t - base_out for t in columns["start_ns"]]
+        columns["end_ns"] = [t - base_out for t in columns["end_ns"]]
+        used_groups = {g for g in columns["group"] if g >= 0}
+    line = {
+        "type": "window",
+        "window": record.window,
+        "iterations": list(record.iterations),
+        "clock": {"start": clock_start, "end": clock_end},
+        "names": list(names),
+        "groups": {str(g): record.groups[g] for g in sorted(used_groups)},
+        "metrics": record.metrics,
+        "dropped": record.dropped,
+        "events": columns,
+    }
+    return (json.dumps(line, separators=(",", ":")) + "\n").encode()
+
+
+class TraceWriter:
+    """Owns one rank's trace file. The header is written atomically (temp file + rename); each
+    window is encoded and appended by a background thread with a single O_APPEND write, then
+    fsync'd, so a crash loses at most the window being written and never tears earlier ones."""
+
+    def __init__(self, path: str | os.PathLike, header: dict[str, Any],
+                 skew: ClockSkew | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._skew = skew
+        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        header = {"type": "header", "format": FORMAT, "version": VERSION, **header}
+        if skew is not None:
+            reference = header["clock_reference"]
+            header["clock_reference"] = {"wall_ns": skew.wall(reference["wall_ns"]),
+                                         "monotonic_ns": skew.mono(reference["monotonic_ns"])}
+        with open(temporary, "wb") as f:
+            f.write((json.dumps(header, separators=(",", ":")) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, self.path)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        self._queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.bytes_written = 0
+        self.encode_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="megascan-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, record: WindowRecord) -> None:
+        self._queue.put(record)
+
+    def _append(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+        os.fsync(self._fd)
+        self.bytes_written += len(data)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                started = time.perf_counter()
+                if isinstance(item, WindowRecord):
+                    data = encode_window(item, self._skew)
+                else:
+                    data = (json.dumps(item, separators=(",", ":")) + "\n").encode()
+                self.encode_seconds += time.perf_counter() - started
+                self._append(data)
+            except BaseException as exc:  # keep training alive; report at close
+                self.error = exc
+
+    def close(self, end_record: dict[str, Any] | None = None, timeout: float = 60.0) -> None:
+        """Drain the queue, append the end line and close the file."""
+        if self._fd < 0:
+            return
+        if end_record is not None:
+            self._queue.put({"type": "end", **end_record})
+        self._queue.put(None)
+        self._thread.join(timeout)
+        os.close(self._fd)
+        self._fd = -1
+
+
+# ------------------------------------------------------------------------------------ reading
+
+
+@dataclass(kw_only=True, slots=True)
+class RankFile:
+    """One rank's trace read back: header, window metadata and NumPy event columns. Names and
+    groups are interned per file (`names`, `groups`); `columns["window"]` is the window index."""
+
+    path: str
+    header: dict[str, Any]
+    windows: list[dict[str, Any]]
+    names: list[str]
+    groups: list[dict[str, Any]]
+    columns: dict[str, np.ndarray]
+    ended: bool
+    warnings: list[str]
+
+    @property
+    def rank(self) -> int:
+        return int(self.header["rank"])
+
+    @property
+    def num_events(self) -> int:
+        return len(self.columns["name"])
+
+
+def read_rank_file(path: str | os.PathLike) -> RankFile:
+    """Parse one trace file. A torn last line (the window in progress at a crash) is dropped with
+    a warning; anything else unreadable raises TraceFormatError naming the file and line."""
+    path = str(path)
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError as exc:
+        raise TraceFormatError(f"{path}: cannot read ({exc.strerror})") from None
+    if lines and lines[-1] == b"":
+        lines.pop()
+    if not lines:
+        raise TraceFormatError(f"{path}: empty file, not a MegaScan trace")
+    try:
+        header = json.loads(lines[0])
+    except json.JSONDecodeError:
+        raise TraceFormatError(f"{path}: first line is not JSON, not a MegaScan trace") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise TraceFormatError(f"{path}: not a MegaScan trace (no '\"format\": \"{FORMAT}\"' header)")
+    if header.get("version", 0) > VERSION:
+        raise TraceFormatError(f"{path}: trace format version {header['version']} is newer than this reader ({VERSION})")
+    for key in ("rank", "world_size", "run_id"):
+        if key not in header:
+            raise TraceFormatError(f"{path}: header lacks {key!r}")
+    warnings: list[str] = []
+    names: dict[str, int] = {}
+    groups: dict[tuple, int] = {}
+    windows: list[dict[str, Any]] = []
+    parts: dict[str, list[np.ndarray]] = {c: [] for c in (*COLUMNS, "window", "start_wall_ns", "end_wall_ns")}
+    ended = False
+    for number, raw in enumerate(lines[1:], start=2):
+        try:
+            record = json.loads(raw)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                warnings.append(f"{path}: last line (window in progress when the rank stopped) is torn; ignored")
+                break
+            raise TraceFormatError(f"{path}: line {number} is not valid JSON") from None
+        kind = record.get("type")
+        if kind == "end":
+            ended = True
+            continue
+        if kind != "window":
+            continue
+        _append_window(record, len(windows), names, groups, parts)
+        windows.append({k: record[k] for k in ("window", "iterations", "clock", "metrics", "dropped")})
+    columns = {c: (np.concatenate(v) if v else np.zeros(0, dtype=np.int64)) for c, v in parts.items()}
+    group_list = [None] * len(groups)
+    for (name, ranks, desc), index in groups.items():
+        group_list[index] = {"name": name, "ranks": list(ranks), "desc": desc}
+    return RankFile(path=path, header=header, windows=windows, names=list(names), groups=group_list,
+                    columns=columns, ended=ended, warnings=warnings)
+
+
+def _append_window(record: dict, window_index: int, names: dict[str, int], groups: dict[tuple, int],
+                   parts: dict[str, list[np.ndarray]]) -> None:
+    events = record["events"]
+    count = len(events["name"])
+    local_names = np.array([names.setdefault(n, len(names)) for n in record["names"]] + [-1], dtype=np.int32)
+    group_map = np.full(1 + max([int(k) for k in record["groups"]] + [0]) + 1, -1, dtype=np.int32)
+    for key, info in record["groups"].items():
+        identity = (info["name"], tuple(info["ranks"]), info.get("desc") or "")
+        group_map[int(key)] = groups.setdefault(identity, len(groups))
+    for column in INT_COLUMNS:
+        parts[column].append(np.asarray(events[column], dtype=np.int64).reshape(count))
+    # -1 indexes the sentinel appended above, so unset names and groups stay -1.
+    parts["name"].append(local_names[np.asarray(events["name"], dtype=np.int64).reshape(count)])
+    parts["dtype"].append(local_names[np.asarray(events["dtype"], dtype=np.int64).reshape(count)])
+    parts["group"][-1] = group_map[parts["group"][-1]].astype(np.int64)
+    parts["window"].append(np.full(count, window_index, dtype=np.int32))
+    # Monotonic -> wall clock through this window's own reference pair.
+    wall_base = record["clock"]["start"]["wall_ns"]
+    parts["start_wall_ns"].append(parts["start_ns"][-1] + wall_base)
+    parts["end_wall_ns"].append(parts["end_ns"][-1] + wall_base)
+
+
+def header_fields(*, rank: int, world_size: int, run_id: str, coordinates: dict[str, int],
+                  sizes: dict[str, int], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The header every producer writes (the tracer, the synthetic generator, later the launcher)."""
+    import socket
+
+    return {
+        "run_id": run_id,
+        "rank": rank,
+        "world_size": world_size,
+        "coordinates": coordinates,  # {"dp", "pp", "tp"}
+        "sizes": sizes,  # {"dp", "pp", "tp", ...}
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "clock_reference": clock_pair(),
+        **(extra or {}),
+    }
+
+
+def iter_trace_files(directory: str | os.PathLike) -> list[Path]:
+    """Candidate rank files in a trace directory, sorted by name."""
+    return sorted(p for p in Path(directory).glob("benchmark-data-*.json") if p.is_file())
+
+
+def write_lines(path: str | os.PathLike, lines: Iterable[dict[str, Any]]) -> None:
+    """Write a whole trace file at once (used by the synthetic generator and tests)."""
+    with open(path, "w") as f:
+        for line in lines:
+            f.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+
+def window_line(*, window: int, iterations: Sequence[int], clock_start: dict, clock_end: dict, names: list[str],
+                groups: dict[str, dict], events: dict[str, list], metrics: list | None = None) -> dict[str, Any]:
+    """A window record as a dict with columns already relative and interned (for generators)."""
+    return {"type": "window", "window": window, "iterations": list(iterations),
+            "clock": {"start": clock_start, "end": clock_end}, "names": names, "groups": groups,
+            "metrics": metrics or [], "dropped": 0, "events": events}

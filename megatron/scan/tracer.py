@@ -1,0 +1,177 @@
+"""The tracer: an observer for the trainer's spans plus the collective observer, recording only
+inside traced windows, handing each finished window to the background writer."""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from megatron.scan.collectives import CollectiveObserver
+from megatron.scan.trace_format import (
+    FLAG_BACKWARD,
+    FLAG_DEVICE_TIME,
+    FLAG_INSTANT,
+    TraceWriter,
+    WindowRecord,
+    clock_pair,
+)
+
+# Spans timed on the host even on GPU: they are host work (the data iterator).
+HOST_KINDS = frozenset({"data"})
+# Spans that set the (microbatch, chunk) context of collectives and layer scopes inside them.
+_CONTEXT_KINDS = frozenset({"forward", "backward"})
+_NULL = contextlib.nullcontext()
+
+
+@dataclass(frozen=True, slots=True)
+class WindowSchedule:
+    """`continuous` consecutive traced iterations out of every `interval` (iterations count from 0)."""
+
+    interval: int
+    continuous: int
+
+    def is_traced(self, iteration: int) -> bool:
+        return iteration % self.interval < self.continuous
+
+    def is_window_end(self, iteration: int) -> bool:
+        return iteration % self.interval == self.continuous - 1
+
+
+class _Span:
+    __slots__ = ("tracer", "kind", "attrs", "start", "context")
+
+    def __init__(self, tracer: "Tracer", kind: str, attrs: dict) -> None:
+        self.tracer = tracer
+        self.kind = kind
+        self.attrs = attrs
+
+    def __enter__(self) -> None:
+        tracer = self.tracer
+        if self.kind in _CONTEXT_KINDS:
+            self.context = tracer.context
+            tracer.context = (self.attrs.get("microbatch", -1), self.attrs.get("chunk", -1))
+        self.start = tracer.host_now() if self.kind in HOST_KINDS else tracer.mark()
+
+    def __exit__(self, *exc) -> bool:
+        tracer = self.tracer
+        end = tracer.host_now() if self.kind in HOST_KINDS else tracer.mark()
+        attrs = self.attrs
+        flags = tracer.device_flag if self.kind not in HOST_KINDS else 0
+        if attrs.get("direction") == "B":
+            flags |= FLAG_BACKWARD
+        if self.kind in _CONTEXT_KINDS:
+            tracer.context = self.context
+        microbatch, chunk = tracer.context
+        tracer.events.append((
+            self.kind, self.start, end, tracer.iteration, attrs.get("microbatch", microbatch),
+            attrs.get("chunk", chunk), attrs.get("bytes", -1), attrs.get("peer", -1), -1,
+            attrs.get("seq", -1), attrs.get("layer", -1), flags, attrs.get("dtype"),
+        ))
+        return False
+
+
+class Tracer:
+    """Observer installed with megatron.app.observer.set_observer. Outside a window `span` returns
+    a shared null context, so untraced iterations pay one attribute test per span."""
+
+    def __init__(self, *, writer: TraceWriter, timer, schedule: WindowSchedule) -> None:
+        self.writer = writer
+        self.timer = timer
+        self.schedule = schedule
+        self.mark = timer.mark
+        self.host_now = time.perf_counter_ns
+        self.device_flag = FLAG_DEVICE_TIME if timer.device_timed else 0
+        self.active = False
+        self.iteration = -1
+        self.context: tuple[int, int] = (-1, -1)
+        self.events: list[tuple] = []
+        self.collectives = CollectiveObserver(self.mark, self._record_collective)
+        self.layer_scopes = None  # set by the plugin for --trace-granularity full
+        self.windows_written = 0
+        self._window_first = -1
+        self._clock_start: dict[str, int] | None = None
+        self._metrics: list[dict[str, Any]] = []
+        self.closed = False
+
+    # --- observer protocol ----------------------------------------------------------
+    def span(self, kind: str, **attrs: Any) -> contextlib.AbstractContextManager:
+        if not self.active:
+            return _NULL
+        return _Span(self, kind, attrs)
+
+    def instant(self, kind: str, **attrs: Any) -> None:
+        if not self.active:
+            return
+        now = self.host_now()
+        microbatch, chunk = self.context
+        self.events.append((kind, now, now, self.iteration, attrs.get("microbatch", microbatch),
+                            attrs.get("chunk", chunk), attrs.get("bytes", -1), attrs.get("peer", -1), -1, -1,
+                            attrs.get("layer", -1), FLAG_INSTANT, None))
+
+    def _record_collective(self, op: str, start, end, size: int, dtype: str | None, gid: int, seq: int,
+                           flags: int) -> None:
+        microbatch, chunk = self.context
+        self.events.append((op, start, end, self.iteration, microbatch, chunk, size, -1, gid, seq, -1,
+                            flags | self.device_flag, dtype))
+
+    def record_layer(self, kind: str, start, end, layer: int, context: tuple[int, int]) -> None:
+        self.events.append((kind, start, end, self.iteration, context[0], context[1], -1, -1, -1, -1, layer,
+                            self.device_flag, None))
+
+    # --- windows ----------------------------------------------------------------------
+    def begin_iteration(self, iteration: int) -> None:
+        if self.closed or not self.schedule.is_traced(iteration):
+            return
+        if not self.active:
+            self.timer.window_start()
+            self._clock_start = clock_pair()
+            self._window_first = iteration
+            self._metrics = []
+            self.active = True
+            self.collectives.recording = True
+            if self.layer_scopes is not None:
+                self.layer_scopes.attach()
+        self.iteration = iteration
+
+    def end_iteration(self, iteration: int, metrics: dict[str, Any] | None = None, last: bool = False) -> None:
+        """Called after the iteration's optimizer step and logging; closes the window at its last
+        iteration or at the end of training."""
+        if not self.active:
+            return
+        if metrics:
+            self._metrics.append({"iteration": iteration, "iteration_time": metrics.get("iteration_time"),
+                                  "loss": metrics.get("lm loss")})
+        if last or self.schedule.is_window_end(iteration):
+            self.flush_window()
+
+    def flush_window(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        self.collectives.recording = False
+        if self.layer_scopes is not None:
+            self.layer_scopes.detach()
+        self.timer.window_end()
+        events, self.events = self.events, []
+        record = WindowRecord(
+            window=self.windows_written,
+            iterations=(self._window_first, self.iteration),
+            clock_start=self._clock_start,
+            clock_end=clock_pair(),
+            events=events,
+            groups={g.gid: g.as_dict() for g in self.collectives.groups.values()},
+            metrics=self._metrics,
+            resolve=self.timer.resolver(),
+        )
+        self.writer.submit(record)
+        self.windows_written += 1
+        self.context = (-1, -1)
+
+    def close(self, end_record: dict[str, Any]) -> None:
+        if self.closed:
+            return
+        self.flush_window()
+        self.closed = True
+        self.collectives.uninstall()
+        self.writer.close({"windows": self.windows_written, **end_record})
