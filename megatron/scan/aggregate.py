@@ -1,0 +1,87 @@
+"""Aggregation facade: load all ranks -> match collectives and P2P -> align clocks -> emit one
+Chrome trace. Each step is its own module; this file only chains them and summarizes."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from megatron.scan.align import Alignment, align
+from megatron.scan.chrome import write_chrome_trace
+from megatron.scan.load import GlobalTrace, load_directory
+from megatron.scan.match import Collectives, P2PLinks, match_collectives, match_p2p
+
+
+@dataclass(kw_only=True)
+class Aggregation:
+    trace: GlobalTrace
+    collectives: Collectives
+    p2p: P2PLinks
+    alignment: Alignment
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        col = self.collectives
+        spread = collective_end_spread_us(self.trace, col)
+        return {
+            "run_id": self.trace.run_id,
+            "ranks": sorted(self.trace.ranks),
+            "events": len(self.trace),
+            "collective_instances": len(col),
+            "collective_instances_incomplete": int((~col.complete).sum()),
+            "collective_op_mismatches": int(col.op_mismatch.sum()),
+            "p2p_links": len(self.p2p),
+            "p2p_unmatched_sends": len(self.p2p.unmatched_sends),
+            "p2p_unmatched_recvs": len(self.p2p.unmatched_recvs),
+            "collective_end_spread_us_median": round(float(np.median(spread)), 3) if len(spread) else None,
+            "collective_end_spread_us_p95": round(float(np.percentile(spread, 95)), 3) if len(spread) else None,
+            "alignment": self.alignment.as_dict(),
+            "warnings": self.trace.warnings,
+            "seconds": {k: round(v, 3) for k, v in self.timings.items()},
+        }
+
+
+def collective_end_spread_us(trace: GlobalTrace, collectives: Collectives) -> np.ndarray:
+    """Per complete synchronous instance: latest minus earliest finish across participants, µs."""
+    rows = np.flatnonzero(collectives.row_instance >= 0)
+    if not len(rows):
+        return np.zeros(0)
+    inst = collectives.row_instance[rows]
+    end = trace.columns["end"][rows]
+    count = len(collectives)
+    high = np.full(count, np.iinfo(np.int64).min, dtype=np.int64)
+    low = np.full(count, np.iinfo(np.int64).max, dtype=np.int64)
+    np.maximum.at(high, inst, end)
+    np.minimum.at(low, inst, end)
+    keep = collectives.complete & collectives.synchronous & (collectives.members >= 2)
+    return (high[keep] - low[keep]) / 1e3
+
+
+def aggregate(directory: str | os.PathLike, output: str | os.PathLike | None = None, *, jobs: int | None = None,
+              run_id: str | None = None, allow_drift: bool = True, do_align: bool = True) -> Aggregation:
+    """Run the whole pipeline; writes the Chrome trace to `output` when given."""
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    trace = load_directory(directory, jobs=jobs, run_id=run_id)
+    timings["load"] = time.perf_counter() - started
+    mark = time.perf_counter()
+    collectives = match_collectives(trace)
+    p2p = match_p2p(trace)
+    timings["match"] = time.perf_counter() - mark
+    mark = time.perf_counter()
+    if do_align:
+        alignment = align(trace, collectives, allow_drift=allow_drift)
+    else:
+        alignment = Alignment(ranks={}, model={}, anchors=0, unanchored=sorted(trace.ranks))
+    timings["align"] = time.perf_counter() - mark
+    result = Aggregation(trace=trace, collectives=collectives, p2p=p2p, alignment=alignment, timings=timings)
+    if output is not None:
+        mark = time.perf_counter()
+        summary = result.summary()
+        write_chrome_trace(trace, collectives, p2p, output, other_data={"megascan": summary})
+        timings["emit"] = time.perf_counter() - mark
+    timings["total"] = time.perf_counter() - started
+    return result

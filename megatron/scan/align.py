@@ -1,0 +1,227 @@
+"""Clock alignment. Each rank's times are already wall clock (through its per-window reference
+pair); what remains is each host's wall-clock error, and its monotonic drift since the window
+start. The anchor: all participants of a synchronous collective finish it together. For every
+(rank, window) an offset (and, where it pays, a drift) is fitted jointly over all anchors by
+robust (Huber, reweighted) least squares, with the per-instance finish time eliminated."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatron.scan.load import GlobalTrace
+from megatron.scan.match import Collectives
+
+_HUBER_K = 1.5
+_IRLS_STEPS = 8
+_F_THRESHOLD = 10.0  # drift terms are kept only when they explain clearly more than noise
+
+
+@dataclass(kw_only=True)
+class RankAlignment:
+    rank: int
+    offset_us: dict[int, float] = field(default_factory=dict)  # window -> correction subtracted
+    drift_ppm: dict[int, float] = field(default_factory=dict)
+    residual_us: float = float("nan")  # RMS of this rank's anchor residuals after the fit
+    anchors: int = 0
+
+    def as_dict(self) -> dict:
+        return {"rank": self.rank, "anchors": self.anchors, "residual_rms_us": _round(self.residual_us),
+                "offset_us": {str(w): _round(v) for w, v in self.offset_us.items()},
+                "drift_ppm": {str(w): _round(v) for w, v in self.drift_ppm.items()}}
+
+
+@dataclass(kw_only=True)
+class Alignment:
+    ranks: dict[int, RankAlignment]
+    model: dict[str, int]  # "offset" / "offset+drift" -> number of (window) components using it
+    anchors: int
+    unanchored: list[int]  # ranks with no collective anchor at all (kept on their wall clock)
+
+    def as_dict(self) -> dict:
+        return {"anchors": self.anchors, "models": self.model, "unanchored_ranks": self.unanchored,
+                "ranks": [self.ranks[r].as_dict() for r in sorted(self.ranks)]}
+
+
+def _round(value: float) -> float | None:
+    return None if value != value else round(float(value), 3)
+
+
+def _components(nodes: np.ndarray, instance: np.ndarray, num_nodes: int) -> np.ndarray:
+    """Connected components of nodes linked by shared instances (union-find)."""
+    parent = np.arange(num_nodes)
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    order = np.argsort(instance, kind="stable")
+    inst_sorted, node_sorted = instance[order], nodes[order]
+    firsts = np.flatnonzero(np.concatenate([[True], inst_sorted[1:] != inst_sorted[:-1]]))
+    first_node = np.repeat(node_sorted[firsts], np.diff(np.append(firsts, len(order))))
+    for a, b in set(zip(first_node.tolist(), node_sorted.tolist())):
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[ra] = rb
+    return np.array([find(i) for i in range(num_nodes)])
+
+
+class _Problem:
+    """Anchors of one connected component: observations (node, instance, d = finish time in µs
+    relative to the instance's mean, tau = seconds since the node's window start)."""
+
+    def __init__(self, node: np.ndarray, instance: np.ndarray, d: np.ndarray, tau: np.ndarray, num_nodes: int):
+        order = np.lexsort((node, instance))
+        self.node, self.instance, self.d, self.tau = node[order], instance[order], d[order], tau[order]
+        self.num_nodes = num_nodes
+        _, self.inst_index, self.sizes = np.unique(self.instance, return_inverse=True, return_counts=True)
+        self.starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
+
+    def _features(self, drift: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Per observation, the unknowns it loads on: offset a[node] with 1, drift b[node] with tau."""
+        if not drift:
+            return self.node[:, None], np.ones((len(self.node), 1))
+        return (np.stack([self.node, self.node + self.num_nodes], axis=1),
+                np.stack([np.ones(len(self.node)), self.tau], axis=1))
+
+    def solve(self, weights: np.ndarray, drift: bool) -> np.ndarray:
+        index, value = self._features(drift)
+        unknowns = self.num_nodes * (2 if drift else 1)
+        matrix = np.zeros(unknowns * unknowns)
+        rhs = np.zeros(unknowns)
+        # Eliminating the instance finish time T_c leaves, per instance, the weighted centering
+        # matrix M = diag(w) - w w^T / sum(w) between its observations; accumulate by instance size.
+        for size in np.unique(self.sizes):
+            chosen = np.flatnonzero(self.sizes == size)
+            obs = self.starts[chosen][:, None] + np.arange(size)[None, :]  # [instances, size]
+            w = weights[obs]
+            total = w.sum(axis=1, keepdims=True)
+            total[total == 0] = 1.0
+            m = -w[:, :, None] * w[:, None, :] / total[:, :, None]
+            m[:, np.arange(size), np.arange(size)] += w
+            d = self.d[obs]
+            md = np.einsum("nij,nj->ni", m, d)  # [instances, size]
+            for fi in range(index.shape[1]):
+                np.add.at(rhs, index[obs, fi].ravel(), (md * value[obs, fi]).ravel())
+                for fj in range(index.shape[1]):
+                    flat = index[obs, fi][:, :, None] * unknowns + index[obs, fj][:, None, :]
+                    contribution = m * value[obs, fi][:, :, None] * value[obs, fj][:, None, :]
+                    matrix += np.bincount(flat.ravel(), weights=contribution.ravel(), minlength=unknowns * unknowns)
+        matrix = matrix.reshape(unknowns, unknowns)
+        # Gauge: only relative clocks are observable. Pin the mean offset (and mean drift) to zero,
+        # which keeps the component's average wall-clock time, and regularize drift lightly.
+        scale = max(1.0, float(np.abs(np.diag(matrix)).max()))
+        ones = np.zeros(unknowns)
+        ones[:self.num_nodes] = 1.0
+        matrix += scale * np.outer(ones, ones) / self.num_nodes
+        if drift:
+            ones_b = np.zeros(unknowns)
+            ones_b[self.num_nodes:] = 1.0
+            matrix += scale * np.outer(ones_b, ones_b) / self.num_nodes
+            matrix[self.num_nodes:, self.num_nodes:] += np.eye(self.num_nodes) * 1e-9 * scale
+        return np.linalg.solve(matrix, rhs)
+
+    def residuals(self, x: np.ndarray, weights: np.ndarray, drift: bool) -> np.ndarray:
+        predicted = x[self.node] + (x[self.node + self.num_nodes] * self.tau if drift else 0.0)
+        remaining = self.d - predicted
+        totals = np.bincount(self.inst_index, weights=weights, minlength=len(self.sizes))
+        means = np.bincount(self.inst_index, weights=weights * remaining, minlength=len(self.sizes))
+        means = np.divide(means, totals, out=np.zeros_like(means), where=totals > 0)
+        return remaining - means[self.inst_index]
+
+    def fit(self, drift: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        weights = np.ones(len(self.d))
+        for _ in range(_IRLS_STEPS):
+            x = self.solve(weights, drift)
+            r = self.residuals(x, weights, drift)
+            sigma = max(1.4826 * float(np.median(np.abs(r))), 1.0)  # µs; below 1 µs is clock noise
+            magnitude = np.abs(r)
+            weights = np.minimum(1.0, _HUBER_K * sigma / np.maximum(magnitude, 1e-12))
+        return x, r, weights
+
+
+def align(trace: GlobalTrace, collectives: Collectives, *, allow_drift: bool = True) -> Alignment:
+    """Estimate per-(rank, window) corrections and apply them to trace.columns start/end in place."""
+    c = trace.columns
+    anchor_instances = collectives.synchronous & ~collectives.op_mismatch & (collectives.members >= 2)
+    rows = np.flatnonzero(collectives.row_instance >= 0)
+    rows = rows[anchor_instances[collectives.row_instance[rows]]]
+    report = {rank: RankAlignment(rank=rank) for rank in trace.ranks}
+    models = {"offset": 0, "offset+drift": 0}
+    if len(rows):
+        windows = int(c["window"].max()) + 1
+        node_key = c["rank"][rows].astype(np.int64) * windows + c["window"][rows]
+        node_keys, node = np.unique(node_key, return_inverse=True)
+        instance = collectives.row_instance[rows]
+        end = c["end"][rows]
+        window_start = {(r, w): meta["clock"]["start"]["wall_ns"]
+                        for r, metas in trace.windows.items() for w, meta in enumerate(metas)}
+        node_start = np.array([window_start[(int(k // windows), int(k % windows))] for k in node_keys], dtype=np.int64)
+        # Center each instance in integer ns first: absolute wall ns do not fit a float's precision.
+        _, inst_index = np.unique(instance, return_inverse=True)
+        inst_min = np.full(inst_index.max() + 1, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(inst_min, inst_index, end)
+        d_us = (end - inst_min[inst_index]) / 1e3
+        tau_s = (end - node_start[node]) / 1e9
+        component = _components(node, instance, len(node_keys))
+        for comp in np.unique(component):
+            comp_nodes = np.flatnonzero(component == comp)
+            local = np.full(len(node_keys), -1)
+            local[comp_nodes] = np.arange(len(comp_nodes))
+            mask = component[node] == comp
+            problem = _Problem(local[node[mask]], instance[mask], d_us[mask], tau_s[mask], len(comp_nodes))
+            x, r, w = problem.fit(drift=False)
+            use_drift = False
+            if allow_drift and len(comp_nodes) > 1:
+                x1, r1, w1 = problem.fit(drift=True)
+                rss0, rss1 = float(np.sum(w * r * r)), float(np.sum(w1 * r1 * r1))
+                dof = len(problem.d) - len(problem.sizes) - 2 * len(comp_nodes)
+                if dof > 0 and rss1 > 0 and (rss0 - rss1) / len(comp_nodes) / (rss1 / dof) > _F_THRESHOLD:
+                    x, r, use_drift = x1, r1, True
+            models["offset+drift" if use_drift else "offset"] += 1
+            # Robust gauge: the median clock of the component is taken as right, so one skewed host
+            # is corrected alone instead of shifting every healthy rank by its share of the mean.
+            n = len(comp_nodes)
+            x = x.copy()
+            x[:n] -= np.median(x[:n])
+            if use_drift:
+                x[n:] -= np.median(x[n:])
+            squares = np.bincount(problem.node, weights=r * r, minlength=len(comp_nodes))
+            counts = np.bincount(problem.node, minlength=len(comp_nodes))
+            for i, global_node in enumerate(comp_nodes):
+                rank, window = int(node_keys[global_node] // windows), int(node_keys[global_node] % windows)
+                entry = report[rank]
+                entry.offset_us[window] = float(x[i])
+                entry.drift_ppm[window] = float(x[i + len(comp_nodes)]) if use_drift else 0.0
+                previous = 0.0 if entry.anchors == 0 else entry.residual_us ** 2 * entry.anchors
+                entry.anchors += int(counts[i])
+                entry.residual_us = float(np.sqrt((previous + squares[i]) / max(1, entry.anchors)))
+    _apply(trace, report)
+    unanchored = sorted(rank for rank, entry in report.items() if entry.anchors == 0)
+    return Alignment(ranks=report, model=models, anchors=int(len(rows)), unanchored=unanchored)
+
+
+def _apply(trace: GlobalTrace, report: dict[int, RankAlignment]) -> None:
+    c = trace.columns
+    if not len(trace):
+        return
+    ranks = max(trace.ranks) + 1
+    windows = int(c["window"].max()) + 1
+    offset = np.zeros((ranks, windows))
+    drift = np.zeros((ranks, windows))
+    base = np.zeros((ranks, windows), dtype=np.int64)
+    for rank, entry in report.items():
+        for window, meta in enumerate(trace.windows[rank][:windows]):
+            base[rank, window] = meta["clock"]["start"]["wall_ns"]
+        if entry.offset_us:
+            # A window without anchors on this rank keeps the rank's typical correction.
+            offset[rank, :] = float(np.median(list(entry.offset_us.values())))
+            for window, value in entry.offset_us.items():
+                offset[rank, window] = value
+                drift[rank, window] = entry.drift_ppm.get(window, 0.0)
+    rank, window = c["rank"], c["window"]
+    for column in ("start", "end"):
+        tau_s = (c[column] - base[rank, window]) / 1e9
+        c[column] -= np.round((offset[rank, window] + drift[rank, window] * tau_s) * 1e3).astype(np.int64)

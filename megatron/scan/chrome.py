@@ -1,0 +1,152 @@
+"""Chrome trace JSON (chrome://tracing, Perfetto UI): one process per rank named
+`DP{d}-PP{p}-TP{t} (rank g)`, threads for compute / P2P / collectives, complete events with
+their args, and flow arrows send -> receive and last arriver -> every other participant."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from megatron.scan.load import GlobalTrace
+from megatron.scan.match import Collectives, P2PLinks
+from megatron.scan.trace_format import FLAG_ASYNC, FLAG_BACKWARD
+
+THREADS = {1: "compute", 2: "p2p", 3: "collectives", 4: "async collectives"}
+_P2P = {"send", "recv"}
+_CATEGORY = {"iteration": "step", "data": "data", "forward": "compute", "backward": "compute",
+             "layer_forward": "layer", "layer_backward": "layer", "grad_sync": "step", "optimizer": "step",
+             "send": "p2p", "recv": "p2p"}
+
+
+def _group_label(group: dict[str, Any]) -> str:
+    ranks = group["ranks"]
+    desc = group["desc"].replace("_GROUP", "").lower() if group["desc"] else group["name"]
+    shown = ",".join(map(str, ranks)) if len(ranks) <= 16 else f"{ranks[0]}..{ranks[-1]} ({len(ranks)} ranks)"
+    return f"{desc} [{shown}]"
+
+
+def _us(ns: np.ndarray | int) -> np.ndarray:
+    return np.round(np.asarray(ns, dtype=np.float64) / 1e3, 3)
+
+
+def write_chrome_trace(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks, path: str | os.PathLike,
+                       other_data: dict[str, Any] | None = None) -> dict[str, int]:
+    """Stream the trace to `path` (written to a temporary name, then renamed). Returns counts."""
+    c = trace.columns
+    base = int(c["start"].min() // 1_000_000 * 1_000_000) if len(trace) else 0
+    temporary = f"{path}.tmp"
+    counts = {"events": 0, "flows": 0}
+    with open(temporary, "w") as out:
+        out.write('{"traceEvents":[\n')
+        first = [True]
+
+        def emit(event: dict[str, Any]) -> None:
+            out.write(("" if first[0] else ",\n") + json.dumps(event, separators=(",", ":")))
+            first[0] = False
+
+        _metadata(trace, emit)
+        counts["events"] = _complete_events(trace, collectives, base, emit)
+        counts["flows"] = _flows(trace, collectives, p2p, base, emit)
+        out.write("\n],\n")
+        tail = {"displayTimeUnit": "ms",
+                "otherData": {"time_base_unix_ns": base, "producer": "megatron.scan", **(other_data or {})}}
+        out.write(json.dumps(tail)[1:])
+    os.replace(temporary, path)
+    return counts
+
+
+def _metadata(trace: GlobalTrace, emit) -> None:
+    for rank in sorted(trace.ranks):
+        emit({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": trace.label(rank)}})
+        emit({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+        for tid, name in THREADS.items():
+            emit({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
+            emit({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
+
+
+def thread_of(trace: GlobalTrace) -> np.ndarray:
+    """The Chrome thread (tid) of each event row."""
+    c = trace.columns
+    tid = np.ones(len(trace), dtype=np.int64)
+    tid[np.isin(c["name"], trace.ids(_P2P))] = 2
+    collective = c["group"] >= 0
+    tid[collective] = np.where((c["flags"][collective] & FLAG_ASYNC) > 0, 4, 3)
+    return tid
+
+
+def _complete_events(trace: GlobalTrace, collectives: Collectives, base: int, emit) -> int:
+    c = trace.columns
+    tid = thread_of(trace)
+    ts = _us(c["start"] - base)
+    dur = np.maximum(_us(c["end"] - c["start"]), 0.0)
+    groups = [_group_label(g) for g in trace.groups]
+    dtype_names = trace.names
+    order = np.lexsort((c["start"], c["rank"]))
+    columns = {k: c[k].tolist() for k in ("rank", "name", "iteration", "microbatch", "chunk", "layer", "bytes",
+                                          "peer", "group", "seq", "flags", "dtype", "window")}
+    instance = collectives.row_instance
+    members = collectives.members.tolist()
+    expected = collectives.expected.tolist()
+    for i in order.tolist():
+        name = trace.names[columns["name"][i]]
+        group = columns["group"][i]
+        args: dict[str, Any] = {"iteration": columns["iteration"][i]}
+        for key in ("microbatch", "chunk", "layer"):
+            if columns[key][i] >= 0:
+                args[key] = columns[key][i]
+        size = columns["bytes"][i]
+        if size >= 0:
+            args["bytes"] = size
+            if dur[i] > 0:
+                args["bandwidth_GBps"] = round(size / (dur[i] * 1e3), 4)
+        if columns["peer"][i] >= 0:
+            args["peer"] = columns["peer"][i]
+            args["direction"] = "B" if columns["flags"][i] & FLAG_BACKWARD else "F"
+        if group >= 0:
+            args["group"] = groups[group]
+            args["seq"] = columns["seq"][i]
+            k = instance[i]
+            args["participants"] = f"{members[k]}/{expected[k]}"
+            if columns["flags"][i] & FLAG_ASYNC:
+                args["async"] = True
+        if columns["dtype"][i] >= 0:
+            args["dtype"] = dtype_names[columns["dtype"][i]]
+        category = _CATEGORY.get(name, "collective" if group >= 0 else "other")
+        emit({"name": name, "cat": category, "ph": "X", "pid": columns["rank"][i], "tid": int(tid[i]),
+              "ts": float(ts[i]), "dur": float(dur[i]), "args": args})
+    return len(order)
+
+
+def _flows(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks, base: int, emit) -> int:
+    c = trace.columns
+    tid = thread_of(trace)
+    middle = _us((c["start"] + c["end"]) // 2 - base)
+    rank = c["rank"]
+    flow_id = 0
+    for send, recv in zip(p2p.send_rows.tolist(), p2p.recv_rows.tolist()):
+        flow_id += 1
+        emit({"ph": "s", "id": flow_id, "name": "p2p", "cat": "p2p", "pid": int(rank[send]), "tid": int(tid[send]),
+              "ts": float(middle[send])})
+        emit({"ph": "f", "bp": "e", "id": flow_id, "name": "p2p", "cat": "p2p", "pid": int(rank[recv]),
+              "tid": int(tid[recv]), "ts": float(middle[recv])})
+    rows = np.flatnonzero(collectives.row_instance >= 0)
+    if len(rows):
+        # Arrows start at the participant that arrived last (everybody waited for it).
+        inst = collectives.row_instance[rows]
+        order = np.lexsort((c["start"][rows], inst))
+        rows, inst = rows[order], inst[order]
+        boundaries = np.flatnonzero(np.concatenate([inst[1:] != inst[:-1], [True]]))
+        starts = np.concatenate([[0], boundaries[:-1] + 1])
+        for lo, hi in zip(starts.tolist(), boundaries.tolist()):
+            if hi == lo:
+                continue
+            last = int(rows[hi])
+            for other in rows[lo:hi].tolist():
+                flow_id += 1
+                emit({"ph": "s", "id": flow_id, "name": "collective", "cat": "collective", "pid": int(rank[last]),
+                      "tid": int(tid[last]), "ts": float(middle[last])})
+                emit({"ph": "f", "bp": "e", "id": flow_id, "name": "collective", "cat": "collective",
+                      "pid": int(rank[other]), "tid": int(tid[other]), "ts": float(middle[other])})
+    return flow_id

@@ -1,0 +1,186 @@
+"""Loading a trace directory: every rank file parsed in parallel (processes: JSON parsing holds the
+GIL), then merged into one columnar GlobalTrace with names and groups interned across ranks."""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import multiprocessing
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatron.scan.trace_format import INT_COLUMNS, RankFile, TraceFormatError, iter_trace_files, read_rank_file
+
+
+class AggregateError(RuntimeError):
+    """The trace directory cannot be aggregated; the message says why and what to do."""
+
+
+@dataclass(kw_only=True)
+class GlobalTrace:
+    """All ranks' events in NumPy columns (one row per event). Times are wall-clock ns converted
+    through each window's reference pair; `align` later adds per-rank corrections."""
+
+    ranks: dict[int, dict[str, Any]]  # rank -> header
+    windows: dict[int, list[dict[str, Any]]]  # rank -> window metadata
+    names: list[str]
+    groups: list[dict[str, Any]]  # gid -> {"name", "ranks", "desc"}
+    columns: dict[str, np.ndarray]
+    warnings: list[str] = field(default_factory=list)
+    run_id: str = ""
+
+    def __len__(self) -> int:
+        return len(self.columns["rank"])
+
+    def name_id(self, name: str) -> int:
+        try:
+            return self.names.index(name)
+        except ValueError:
+            return -1
+
+    def ids(self, names) -> np.ndarray:
+        return np.array([i for i, n in enumerate(self.names) if n in set(names)], dtype=np.int64)
+
+    def label(self, rank: int) -> str:
+        c = self.ranks[rank]["coordinates"]
+        return f"DP{c['dp']}-PP{c['pp']}-TP{c['tp']} (rank {rank})"
+
+
+def _read(path: str) -> RankFile | str:
+    try:
+        return read_rank_file(path)
+    except TraceFormatError as exc:
+        return str(exc)
+
+
+def read_all(paths: list[Path], jobs: int | None = None) -> list[RankFile | str]:
+    """Parse files in parallel; an unreadable file comes back as its error message."""
+    jobs = jobs or os.cpu_count() or 1
+    jobs = min(jobs, len(paths))
+    if jobs <= 1 or len(paths) < 4:
+        return [_read(str(p)) for p in paths]
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        return list(pool.map(_read, [str(p) for p in paths], chunksize=max(1, len(paths) // (jobs * 4))))
+
+
+def load_directory(directory: str | os.PathLike, *, jobs: int | None = None, run_id: str | None = None) -> GlobalTrace:
+    """Read every rank file of one run. Missing, corrupt or torn files are warned about by name and
+    skipped; no readable file, or files of several runs without `run_id`, raise AggregateError."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise AggregateError(f"trace directory {directory} does not exist")
+    paths = iter_trace_files(directory)
+    if not paths:
+        raise AggregateError(f"no trace files (benchmark-data-*.json) in {directory}; was the run started with --trace "
+                             f"--trace-dir {directory}?")
+    warnings: list[str] = []
+    files: list[RankFile] = []
+    for result in read_all(paths, jobs):
+        if isinstance(result, str):
+            warnings.append(f"skipped {result}")
+        else:
+            files.append(result)
+            warnings.extend(result.warnings)
+    if not files:
+        raise AggregateError(f"none of the {len(paths)} trace files in {directory} could be read:\n  "
+                             + "\n  ".join(warnings))
+    runs = collections.defaultdict(list)
+    for f in files:
+        runs[f.header["run_id"]].append(f)
+    if run_id is not None:
+        if run_id not in runs:
+            raise AggregateError(f"no trace files of run {run_id} in {directory}; runs found: {', '.join(sorted(runs))}")
+        files = runs[run_id]
+    elif len(runs) > 1:
+        listing = "\n".join(f"  run {rid}: " + ", ".join(Path(f.path).name for f in sorted(fs, key=lambda f: f.rank))
+                            for rid, fs in sorted(runs.items()))
+        raise AggregateError(f"{directory} mixes trace files of {len(runs)} different runs:\n{listing}\n"
+                             f"pick one with --run-id, or give each run its own --trace-dir")
+    by_rank: dict[int, RankFile] = {}
+    for f in sorted(files, key=lambda f: f.path):
+        if f.rank in by_rank:
+            warnings.append(f"rank {f.rank} appears in both {by_rank[f.rank].path} and {f.path}; using the first")
+            continue
+        by_rank[f.rank] = f
+    world_size = int(next(iter(by_rank.values())).header["world_size"])
+    missing = sorted(set(range(world_size)) - set(by_rank))
+    if missing:
+        warnings.append(f"no trace for rank(s) {_ranges(missing)} of {world_size}; continuing with the others "
+                        f"(their collectives will show fewer participants)")
+    _check_iterations(by_rank, warnings)
+    for f in by_rank.values():
+        if not f.ended:
+            warnings.append(f"{f.path}: no end record (the rank stopped early or is still running); "
+                            f"{len(f.windows)} complete window(s) used")
+    trace = merge(by_rank)
+    trace.warnings = warnings + trace.warnings
+    trace.run_id = next(iter(by_rank.values())).header["run_id"]
+    return trace
+
+
+def _check_iterations(by_rank: dict[int, RankFile], warnings: list[str]) -> None:
+    traced = {rank: tuple(i for w in f.windows for i in range(w["iterations"][0], w["iterations"][1] + 1))
+              for rank, f in by_rank.items()}
+    if not traced:
+        return
+    common = collections.Counter(traced.values()).most_common(1)[0][0]
+    for rank, iterations in sorted(traced.items()):
+        if iterations != common:
+            warnings.append(f"rank {rank} traced {len(iterations)} iteration(s) ({_ranges(iterations) or 'none'}) but "
+                            f"most ranks traced {len(common)} ({_ranges(common) or 'none'}); "
+                            f"instances outside the common iterations are incomplete")
+
+
+def merge(by_rank: dict[int, RankFile]) -> GlobalTrace:
+    """Concatenate per-rank columns, remapping each file's names and groups to global ids."""
+    names: dict[str, int] = {}
+    groups: dict[tuple, int] = {}
+    parts: dict[str, list[np.ndarray]] = collections.defaultdict(list)
+    for rank in sorted(by_rank):
+        f = by_rank[rank]
+        name_map = np.array([names.setdefault(n, len(names)) for n in f.names] + [-1], dtype=np.int32)
+        group_map = np.array([groups.setdefault((g["name"], tuple(g["ranks"]), g["desc"]), len(groups))
+                              for g in f.groups] + [-1], dtype=np.int32)
+        c = f.columns
+        parts["rank"].append(np.full(f.num_events, rank, dtype=np.int32))
+        parts["name"].append(name_map[c["name"]])
+        parts["dtype"].append(name_map[c["dtype"]])
+        parts["group"].append(group_map[c["group"]])
+        for column in ("iteration", "microbatch", "chunk", "peer", "seq", "layer", "flags", "window"):
+            parts[column].append(c[column].astype(np.int32 if column != "seq" else np.int64))
+        for column in ("bytes", "start_wall_ns", "end_wall_ns"):
+            parts[column].append(c[column].astype(np.int64))
+    columns = {k: np.concatenate(v) for k, v in parts.items()}
+    if not columns:
+        columns = {k: np.zeros(0, dtype=np.int64) for k in ("rank", "name", "dtype", "group", *INT_COLUMNS,
+                                                              "window", "start_wall_ns", "end_wall_ns")}
+    columns["start"] = columns.pop("start_wall_ns")
+    columns["end"] = columns.pop("end_wall_ns")
+    group_list: list[dict[str, Any]] = [{}] * len(groups)
+    for (name, ranks, desc), gid in groups.items():
+        group_list[gid] = {"name": name, "ranks": list(ranks), "desc": desc}
+    return GlobalTrace(ranks={r: f.header for r, f in sorted(by_rank.items())},
+                       windows={r: f.windows for r, f in sorted(by_rank.items())},
+                       names=list(names), groups=group_list, columns=columns)
+
+
+def _ranges(values) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    values = sorted(set(int(v) for v in values))
+    out: list[str] = []
+    start = prev = None
+    for v in values:
+        if start is None:
+            start = prev = v
+        elif v == prev + 1:
+            prev = v
+        else:
+            out.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = prev = v
+    if start is not None:
+        out.append(f"{start}-{prev}" if prev != start else f"{start}")
+    return ",".join(out)

@@ -1,0 +1,30 @@
+"""Merge a MegaScan trace directory into one Chrome trace (seed-compatible flags):
+`python scripts/aggregate.py -b TRACE_DIR -o merged.json`."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.scan.cli import add_aggregate_arguments, run_aggregate  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("-b", "--benchmark-dir", required=True, metavar="DIR", help="the --trace-dir of the run")
+    parser.add_argument("-o", "--output", default=None, help="Chrome trace to write (default: DIR/merged_trace.json)")
+    parser.add_argument("-d", "--detect", action="store_true", help="slow-rank detection (MegaScan II; not built yet)")
+    add_aggregate_arguments(parser)
+    args = parser.parse_args()
+    if args.detect:
+        print("error: -d (slow-rank detection) is not available yet in this version of MegaScan; "
+              "run without -d to aggregate", file=sys.stderr)
+        return 2
+    output = args.output or os.path.join(args.benchmark_dir, "merged_trace.json")
+    return run_aggregate(args.benchmark_dir, output, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
