@@ -47,7 +47,7 @@ def write_chrome_trace(trace: GlobalTrace, collectives: Collectives, p2p: P2PLin
             first[0] = False
 
         _metadata(trace, emit)
-        counts["events"] = _complete_events(trace, collectives, base, emit)
+        counts["events"] = _complete_events(trace, collectives, p2p, base, emit)
         counts["flows"] = _flows(trace, collectives, p2p, base, emit)
         out.write("\n],\n")
         tail = {"displayTimeUnit": "ms",
@@ -76,8 +76,11 @@ def thread_of(trace: GlobalTrace) -> np.ndarray:
     return tid
 
 
-def _complete_events(trace: GlobalTrace, collectives: Collectives, base: int, emit) -> int:
+def _complete_events(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks, base: int, emit) -> int:
     c = trace.columns
+    # A receive carries its message's transfer time (send posted -> receive complete) and the
+    # effective bandwidth of that; the send span itself only measures posting the message.
+    transfer_us = dict(zip(p2p.recv_rows.tolist(), _us(c["end"][p2p.recv_rows] - c["start"][p2p.send_rows]).tolist()))
     tid = thread_of(trace)
     ts = _us(c["start"] - base)
     dur = np.maximum(_us(c["end"] - c["start"]), 0.0)
@@ -99,8 +102,11 @@ def _complete_events(trace: GlobalTrace, collectives: Collectives, base: int, em
         size = columns["bytes"][i]
         if size >= 0:
             args["bytes"] = size
-            if dur[i] > 0:
-                args["bandwidth_GBps"] = round(size / (dur[i] * 1e3), 4)
+            elapsed = transfer_us.get(i) if columns["peer"][i] >= 0 else float(dur[i])
+            if elapsed is not None and elapsed > 0:
+                args["bandwidth_GBps"] = round(size / (elapsed * 1e3), 4)
+            if i in transfer_us:
+                args["transfer_us"] = transfer_us[i]
         if columns["peer"][i] >= 0:
             args["peer"] = columns["peer"][i]
             args["direction"] = "B" if columns["flags"][i] & FLAG_BACKWARD else "F"
