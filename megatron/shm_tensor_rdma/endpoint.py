@@ -358,8 +358,8 @@ class Endpoint:
             self._refresh(handle)
         if handle._state == _PENDING:
             detail = self._engine.describe(handle.id)
-            raise TransferTimeout(f"rank {self.rank}: {detail}; still not finished after {timeout} s "
-                                  f"(peer rank {handle.peer})", handle.peer)
+            raise TransferTimeout(f"rank {self.rank}: {detail}; not finished after waiting {timeout} s "
+                                  f"for peer rank {handle.peer}", handle.peer)
 
     # ------------------------------------------------------------------ lifetime
 

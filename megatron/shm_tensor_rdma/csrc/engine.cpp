@@ -266,7 +266,7 @@ size_t Engine::in_flight() {
 std::string Engine::describe(uint64_t id) {
   std::lock_guard<std::mutex> lk(mu_);
   auto r = find(id);
-  return r ? describe(*r) : "request " + std::to_string(id) + " (already reported)";
+  return r ? describe(*r) + ": " + stage(*r) : "request " + std::to_string(id) + " (already reported)";
 }
 
 void Engine::enqueue_send_job(std::shared_ptr<SendJob> job) {
@@ -326,7 +326,7 @@ void Engine::monitor_loop() {
         for (auto& r : expired) {
           char secs[32];
           std::snprintf(secs, sizeof(secs), "%g", r->timeout_s);
-          fail(r, ErrorKind::Timeout, describe(*r) + " timed out after " + secs + " s");
+          fail(r, ErrorKind::Timeout, describe(*r) + " timed out after " + secs + " s: " + stage(*r));
         }
       }
     }

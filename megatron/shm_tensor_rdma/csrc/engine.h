@@ -108,7 +108,8 @@ class Engine : public EngineSink {
   void maybe_publish(const std::shared_ptr<Request>& req);
   void fail_peer_requests(int peer);
   std::shared_ptr<Request> find(uint64_t id);
-  std::string describe(const Request& r) const;
+  std::string describe(const Request& r) const;  // "isend(dst=1, tag=5, 64 bytes)"
+  std::string stage(const Request& r) const;     // how far the transfer got
   std::string dtype_name(uint32_t code) const;
   Finished take(uint64_t id);
   // ----

@@ -19,16 +19,16 @@ std::string Engine::dtype_name(uint32_t code) const {
 
 std::string Engine::describe(const Request& r) const {
   std::string s = r.is_send ? "isend(dst=" : "irecv(src=";
-  s += std::to_string(r.peer) + ", tag=" + std::to_string(r.tag) + ", " + std::to_string(r.nbytes) + " bytes)";
-  if (r.state != ReqState::Pending) return s;
+  return s + std::to_string(r.peer) + ", tag=" + std::to_string(r.tag) + ", " + std::to_string(r.nbytes) + " bytes)";
+}
+
+std::string Engine::stage(const Request& r) const {
   const std::string peer = "rank " + std::to_string(r.peer);
   if (r.is_send)
-    s += r.matched ? ": " + std::to_string(r.bytes_done) + " bytes sent so far"
-                   : ": " + peer + " has not posted a matching irecv";
-  else
-    s += r.matched ? ": " + std::to_string(r.bytes_done) + " bytes received so far from " + peer
-                   : ": " + peer + " has not sent a matching message";
-  return s;
+    return r.matched ? std::to_string(r.bytes_done) + " of " + std::to_string(r.nbytes) + " bytes sent"
+                     : peer + " had not posted a matching irecv";
+  return r.matched ? std::to_string(r.bytes_done) + " of " + std::to_string(r.nbytes) + " bytes received"
+                   : peer + " had not sent a matching message";
 }
 
 std::shared_ptr<Request> Engine::find(uint64_t id) {
@@ -280,7 +280,7 @@ void Engine::send_chunk_end(const std::shared_ptr<Request>& req, uint64_t bytes,
   --req->busy;
   if (req->state == ReqState::Pending) {
     if (!error.empty()) {
-      fail(req, ErrorKind::PeerGone, describe(*req) + " failed: " + error);
+      fail(req, ErrorKind::PeerGone, describe(*req) + " failed: " + error + " (" + stage(*req) + ")");
       return;
     }
     req->bytes_done += bytes;
@@ -346,7 +346,8 @@ void Engine::fail_peer_requests(int peer) {
   std::vector<std::shared_ptr<Request>> victims;
   for (auto& kv : requests_)
     if (kv.second->peer == peer && kv.second->state == ReqState::Pending) victims.push_back(kv.second);
-  for (auto& r : victims) fail(r, ErrorKind::PeerGone, describe(*r) + " failed: " + ps.gone_reason);
+  for (auto& r : victims)
+    fail(r, ErrorKind::PeerGone, describe(*r) + " failed: " + ps.gone_reason + " (" + stage(*r) + ")");
   // Rendezvous announcements can never be served now; buffered Eager data still can.
   for (auto it = ps.arrived.begin(); it != ps.arrived.end();) {
     auto& q = it->second;

@@ -1,0 +1,331 @@
+"""One rank of a multi-process shm_tensor_rdma test scenario (run by strdma_harness).
+
+Every check records {"ok", "detail"} under its name in <out>/rank<r>.json, so a failing
+check is reported by name with its traceback while the other checks still run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from megatron.shm_tensor_rdma import (
+    Endpoint,
+    EndpointConfig,
+    PeerError,
+    TensorMismatchError,
+    TransferTimeout,
+)
+
+# Every dtype whose bytes can be viewed as uint8 (quantized dtypes cannot hold raw bytes).
+DTYPES = [d for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128, torch.complex32,
+    getattr(torch, "uint16", None), getattr(torch, "uint32", None), getattr(torch, "uint64", None),
+    getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None),
+) if d is not None]
+SHAPES = [(), (0,), (3, 0, 2), (7,), (33, 65), (1 << 18,)]
+
+
+def pattern(seed: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """Deterministic arbitrary bits (NaNs, denormals included) of the given shape and dtype."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+class Checks:
+    def __init__(self, out: Path, rank: int) -> None:
+        self.path = out / f"rank{rank}.json"
+        self.results: dict[str, dict] = {}
+
+    def run(self, name: str, fn) -> None:
+        try:
+            detail = fn()
+            self.results[name] = {"ok": True, "detail": detail}
+        except Exception as e:  # noqa: BLE001 - every failure is reported by name
+            self.results[name] = {"ok": False, "detail": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.results, indent=1))
+        tmp.replace(self.path)
+
+
+def barrier(ep: Endpoint, tag: int) -> None:
+    """All ranks exchange a tiny message with every other rank."""
+    peers = [r for r in range(ep.world_size) if r != ep.rank]
+    sends = [ep.isend(torch.zeros(1), p, tag) for p in peers]
+    recvs = [ep.irecv(((1,), torch.float32), p, tag) for p in peers]
+    ep.wait_all(sends + recvs, timeout=30)
+
+
+# ------------------------------------------------------------------------------------ basics
+
+def scenario_basics(ep: Endpoint, args, checks: Checks) -> None:
+    peer = 1 - ep.rank
+    checks.run("transport", lambda: ep.transport(peer))
+
+    def dtypes_roundtrip():
+        # Both directions at once: every dtype and shape, eager and rendezvous sizes.
+        sends, recvs = [], []
+        for i, dtype in enumerate(DTYPES):
+            for j, shape in enumerate(SHAPES):
+                tag = 100 + i * len(SHAPES) + j
+                sends.append(ep.isend(pattern(ep.rank * 10_000 + tag, shape, dtype), peer, tag))
+                recvs.append((ep.irecv((shape, dtype), peer, tag), peer * 10_000 + tag, shape, dtype))
+        ep.wait_all(sends, timeout=30)
+        for handle, seed, shape, dtype in recvs:
+            got = handle.wait(30)
+            assert same_bits(got, pattern(seed, shape, dtype)), f"{dtype} {shape} differs"
+        return f"{len(recvs)} tensors bit-exact"
+    checks.run("dtypes_roundtrip", dtypes_roundtrip)
+    barrier(ep, 1)
+
+    def out_of_order():
+        # Rank 0 sends large, then medium (rendezvous), then small (eager); rank 1 records the
+        # order in which its receives complete.
+        sizes = {"large": 16 << 20, "medium": 256 << 10, "small": 64}
+        tags = {"large": 500, "medium": 501, "small": 502}
+        if ep.rank == 0:
+            handles = [ep.isend(torch.ones(n // 4), 1, tags[k]) for k, n in sizes.items()]
+            ep.wait_all(handles, timeout=30)
+            return "sent"
+        handles = {ep.irecv(((n // 4,), torch.float32), 0, tags[k]): k for k, n in sizes.items()}
+        order = []
+        while len(order) < len(handles):
+            order += [handles[h] for h in ep.wait_any(timeout=30)]
+        assert order[-1] == "large", f"completion order {order}"
+        return order
+    checks.run("out_of_order", out_of_order)
+    barrier(ep, 2)
+
+    def mismatch():
+        if ep.rank == 0:
+            ep.isend(torch.zeros(4, 4), 1, 600).wait(10)  # eager: complete once sent
+            big = ep.isend(torch.zeros(1 << 18), 1, 601)
+            try:
+                big.wait(10)
+            except TensorMismatchError as e:
+                assert e.peer_rank == 1 and "rank 1 refused" in str(e), str(e)
+                return str(e)
+            raise AssertionError("the rendezvous send did not fail")
+        messages = []
+        for tag, spec in ((600, ((4, 4), torch.bfloat16)), (601, ((1 << 17,), torch.float32))):
+            try:
+                ep.irecv(spec, 0, tag).wait(10)
+            except TensorMismatchError as e:
+                assert e.peer_rank == 0 and "rank 0" in str(e), str(e)
+                messages.append(str(e))
+            else:
+                raise AssertionError(f"tag {tag}: mismatch not detected")
+        assert "torch.bfloat16" in messages[0] and "torch.float32" in messages[0], messages[0]
+        return messages
+    checks.run("mismatch", mismatch)
+    barrier(ep, 3)
+
+    def timeouts():
+        if ep.rank == 0:
+            started = time.monotonic()
+            try:
+                ep.isend(torch.zeros(1 << 18), 1, 700, timeout=0.3).wait()
+            except TransferTimeout as e:
+                assert e.peer_rank == 1 and "rank 1" in str(e), str(e)
+                elapsed = time.monotonic() - started
+                assert elapsed < 3, elapsed
+            else:
+                raise AssertionError("send did not time out")
+            barrier(ep, 701)
+            ep.isend(torch.arange(8.0), 1, 702).wait(10)  # completes rank 1's earlier receive
+            return "send timed out"
+        waiting = ep.irecv(((8,), torch.float32), 0, 702)
+        started = time.monotonic()
+        try:
+            waiting.wait(0.2)
+        except TransferTimeout as e:
+            assert e.peer_rank == 0 and "rank 0" in str(e), str(e)
+        else:
+            raise AssertionError("wait(0.2) did not time out")
+        assert time.monotonic() - started < 2
+        try:
+            ep.irecv(((8,), torch.float32), 0, 703, timeout=0.3).wait()
+        except TransferTimeout as e:
+            assert "timed out after 0.3 s" in str(e), str(e)
+        else:
+            raise AssertionError("transfer timeout did not fire")
+        barrier(ep, 701)
+        # The receive that timed out in wait() kept going and completes now.
+        assert torch.equal(waiting.wait(10), torch.arange(8.0))
+        return "wait and transfer timeouts raised"
+    checks.run("timeouts", timeouts)
+    barrier(ep, 4)
+
+    def poll_once():
+        n = 20
+        if ep.rank == 0:
+            handles = [ep.isend(torch.full((1 + 5000 * i,), float(i)), 1, 800 + i) for i in range(n)]
+            ep.wait_all(handles, timeout=30)
+            return "sent"
+        handles = {ep.irecv(((1 + 5000 * i,), torch.float32), 0, 800 + i): i for i in range(n)}
+        seen: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(seen) < n and time.monotonic() < deadline:
+            seen += [handles[h] for h in ep.poll()]
+            time.sleep(0.001)
+        assert sorted(seen) == list(range(n)), seen
+        assert ep.poll() == [] and ep.wait_any(timeout=0.05) == []
+        for h, i in handles.items():
+            assert h.test() and bool((h.tensor == i).all())
+        return f"{n} handles each reported once"
+    checks.run("poll_once", poll_once)
+    barrier(ep, 5)
+
+
+# ------------------------------------------------------------------------------------ mesh
+
+def mesh_plan(seed: int, world: int, count: int):
+    rng = random.Random(seed)
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float16]
+    plan = []
+    for index in range(count):
+        src = rng.randrange(world)
+        dst = rng.choice([r for r in range(world) if r != src])
+        dtype = rng.choice(dtypes)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = 0 if rng.random() < 0.02 else int(2 ** rng.uniform(0, 20))
+        # A small tag space makes many (src, dst, tag) repeats: those must match in order.
+        plan.append((index, src, dst, rng.randrange(40), dtype, (nbytes // itemsize,)))
+    return plan
+
+
+def scenario_mesh(ep: Endpoint, args, checks: Checks) -> None:
+    def random_transfers():
+        plan = mesh_plan(1234, ep.world_size, args.count)
+        pending = {}
+        for index, src, dst, tag, dtype, shape in plan:
+            if src == ep.rank:
+                pending[ep.isend(pattern(index, shape, dtype), dst, tag)] = None
+            elif dst == ep.rank:
+                pending[ep.irecv((shape, dtype), src, tag)] = (index, shape, dtype)
+        total, bad = len(pending), []
+        while pending:
+            finished = ep.wait_any(timeout=60)
+            assert finished, f"nothing finished for 60 s; {len(pending)} left"
+            for h in finished:
+                expect = pending.pop(h)
+                if expect is not None and not same_bits(h.tensor, pattern(*expect)):
+                    bad.append(expect[0])
+        assert not bad, f"transfers {bad[:10]} differ"
+        return {"transfers": total, "transports": sorted({ep.transport(r) for r in range(ep.world_size)
+                                                          if r != ep.rank})}
+    checks.run("random_transfers", random_transfers)
+
+
+# ------------------------------------------------------------------------------------ peer death
+
+def scenario_dead_peer(ep: Endpoint, args, checks: Checks) -> None:
+    out = Path(args.out)
+    if ep.rank == 1:
+        # Keep a large receive streaming, tell the harness we are mid-transfer, and wait to be
+        # killed with SIGKILL.
+        ep.irecv(((64 << 20,), torch.uint8), 0, 2)
+        ep.irecv(((1,), torch.float32), 0, 3).wait(30)
+        (out / "victim.ready").write_text("1")
+        time.sleep(60)
+        return
+
+    def peer_death():
+        incoming = ep.irecv(((1 << 18,), torch.float32), 1, 1)
+        outgoing = ep.isend(torch.zeros(64 << 20, dtype=torch.uint8), 1, 2)
+        ep.isend(torch.zeros(1), 1, 3).wait(10)
+        started = time.monotonic()
+        errors = []
+        for handle in (incoming, outgoing):
+            try:
+                handle.wait(30)
+            except PeerError as e:
+                assert e.peer_rank == 1 and "rank 1" in str(e), str(e)
+                errors.append(str(e))
+        assert len(errors) == 2, errors
+        elapsed = time.monotonic() - started
+        late = ep.isend(torch.zeros(4), 1, 4)
+        try:
+            late.wait(5)
+        except PeerError as e:
+            errors.append(str(e))
+        else:
+            raise AssertionError("a send to the dead rank succeeded")
+        return {"errors": errors, "detected_after_s": round(elapsed, 3)}
+    checks.run("peer_death", peer_death)
+
+
+# ------------------------------------------------------------------------------------ exchange
+
+def scenario_exchange(ep: Endpoint, args, checks: Checks) -> None:
+    """Both ranks send each other a few tensors of every size class (used across hosts)."""
+    peer = 1 - ep.rank
+    checks.run("transport", lambda: ep.transport(peer))
+
+    def exchange():
+        specs = [((), torch.bfloat16), ((0,), torch.float32), ((1000,), torch.int16),
+                 ((257, 129), torch.bfloat16), ((2 << 20,), torch.float32)]
+        sends = [ep.isend(pattern(ep.rank * 100 + i, s, d), peer, i) for i, (s, d) in enumerate(specs)]
+        recvs = [ep.irecv((s, d), peer, i) for i, (s, d) in enumerate(specs)]
+        ep.wait_all(sends, timeout=30)
+        for i, ((s, d), h) in enumerate(zip(specs, recvs)):
+            assert same_bits(h.wait(30), pattern(peer * 100 + i, s, d)), f"spec {i} differs"
+        return f"{len(specs)} tensors each way"
+    checks.run("exchange", exchange)
+    barrier(ep, 99)
+
+
+SCENARIOS = {"basics": scenario_basics, "mesh": scenario_mesh, "dead_peer": scenario_dead_peer,
+             "exchange": scenario_exchange}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--job-id", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--transports", default="shm,tcp")
+    parser.add_argument("--store-port", type=int)
+    parser.add_argument("--addresses")
+    parser.add_argument("--count", type=int, default=1000)
+    args = parser.parse_args()
+    config = EndpointConfig(transports=tuple(args.transports.split(",")), transfer_timeout=60, connect_timeout=30)
+    if args.addresses:
+        ep = Endpoint(args.job_id, args.rank, args.world_size, args.addresses.split(","), config=config)
+    else:
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False)
+        ep = Endpoint.from_store(store, args.job_id, args.rank, args.world_size, host="127.0.0.1", config=config)
+    checks = Checks(Path(args.out), args.rank)
+    SCENARIOS[args.scenario](ep, args, checks)
+    ep.close()
+    checks.results["closed"] = {"ok": True, "detail": "closed"}
+    checks.save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""In-process tests of the Python API: argument errors, setup errors, close semantics, GIL
+release, /dev/shm name hygiene, tags and dtype codes. Two endpoints in one process talk over
+the same shared-memory path as two processes do, which keeps these tests fast."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launch import free_port
+from megatron.shm_tensor_rdma import (
+    Endpoint,
+    EndpointClosedError,
+    EndpointConfig,
+    PeerError,
+    _C,
+    make_tag,
+    split_tag,
+)
+from megatron.shm_tensor_rdma.dtypes import dtype_code
+from strdma_harness import shm_names_of
+
+
+def make_pair(job_id: str | None = None, store=None, config: EndpointConfig | None = None):
+    """Ranks 0 and 1 of one job, built concurrently (each constructor waits for the other)."""
+    job_id = job_id or f"api-{uuid.uuid4().hex[:8]}"
+    store = store or dist.HashStore()
+    endpoints: list = [None, None]
+    errors: list = []
+
+    def build(rank: int) -> None:
+        try:
+            endpoints[rank] = Endpoint.from_store(store, job_id, rank, 2, host="127.0.0.1", config=config)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    return endpoints
+
+
+@pytest.fixture
+def pair():
+    endpoints = make_pair()
+    yield endpoints
+    for ep in endpoints:
+        ep.close()
+
+
+@pytest.fixture
+def single():
+    ep = Endpoint(f"single-{uuid.uuid4().hex[:8]}", 0, 1, [f"127.0.0.1:{free_port()}"])
+    yield ep
+    ep.close()
+
+
+def test_bad_peer_tag_tensor_and_timeout_arguments_raise_value_error(single):
+    t = torch.zeros(4)
+    cases = [
+        (lambda: single.isend(t, 0, 1), "own rank"),
+        (lambda: single.isend(t, 1, 1), "dst must be in [0, 1)"),
+        (lambda: single.irecv(t, -1, 1), "src must be in [0, 1)"),
+        (lambda: single.isend([1, 2], 0, 1), "expected a torch.Tensor"),
+        (lambda: single.isend(t, 0, 2**64), "tag must fit in a signed 64-bit integer"),
+        (lambda: single.isend(t, 0, "a"), "tag must be an int"),
+        (lambda: single.isend(t, 0.0, 1), "dst must be an int"),
+        (lambda: single.irecv(torch.zeros(4, 4).t(), 0, 1), "must be contiguous"),
+        (lambda: single.irecv(((2,), "float"), 0, 1), "(shape, dtype) pair"),
+        (lambda: single.irecv(((-2,), torch.float32), 0, 1), "cannot allocate"),
+        (lambda: single.isend(t, 0, 1, timeout=-1), "timeout must be a positive number"),
+        (lambda: single.isend(torch.zeros([1] * 33), 0, 1), "more than 32 dimensions"),
+        (lambda: single.isend(torch.zeros(4).to_sparse(), 0, 1), "only dense"),
+    ]
+    for call, expected in cases:
+        with pytest.raises(ValueError) as info:
+            call()
+        assert expected in str(info.value), (expected, str(info.value))
+
+
+def test_constructor_arguments_are_checked_up_front():
+    cases = [
+        (lambda: Endpoint("j", 2, 2, ["a:1", "b:2"]), "rank must be in [0, world_size=2)"),
+        (lambda: Endpoint("j", 0, 0, []), "world_size must be >= 1"),
+        (lambda: Endpoint("j", 0, 2, ["127.0.0.1:1"]), "peer_addresses has 1 entries"),
+        (lambda: Endpoint("j", 0, 1, ["localhost"]), "must look like 'host:port'"),
+        (lambda: Endpoint("", 0, 1, ["127.0.0.1:5"]), "job_id must be a non-empty"),
+        (lambda: Endpoint("j", 0, 1, ["127.0.0.1:5"], config=EndpointConfig(transports=("ib",))),
+         "transports must be a non-empty subset"),
+        (lambda: Endpoint("j", 0, 1, ["127.0.0.1:5"], config=EndpointConfig(shm_bulk_slots=3)), "powers of two"),
+        (lambda: Endpoint("j", 0, 1, ["127.0.0.1:5"], config=EndpointConfig(workload_bytes=10)), "workload_bytes"),
+    ]
+    for call, expected in cases:
+        with pytest.raises(ValueError) as info:
+            call()
+        assert expected in str(info.value), (expected, str(info.value))
+
+
+def test_setup_timeout_names_the_missing_rank():
+    addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    config = EndpointConfig(connect_timeout=0.5)
+    with pytest.raises(PeerError) as waiting:
+        Endpoint("lonely", 0, 2, addresses, config=config)
+    assert waiting.value.peer_rank == 1 and "timed out waiting for rank(s) 1" in str(waiting.value)
+    with pytest.raises(PeerError) as dialing:
+        Endpoint("lonely", 1, 2, addresses, config=config)
+    assert dialing.value.peer_rank == 0 and "connecting to rank 0" in str(dialing.value)
+
+
+def test_a_peer_of_another_job_is_refused():
+    addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    config = EndpointConfig(connect_timeout=1.0)
+    errors = {}
+
+    def build(rank: int, job: str) -> None:
+        try:
+            Endpoint(job, rank, 2, addresses, config=config).close()
+        except PeerError as e:
+            errors[rank] = e
+
+    threads = [threading.Thread(target=build, args=(0, "job-a")), threading.Thread(target=build, args=(1, "job-b"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert "job 'job-b'" in str(errors[1]) and "job 'job-a'" in str(errors[1]), errors
+    assert errors[0].peer_rank == 1
+
+
+def test_wait_any_releases_the_gil_while_blocking(pair):
+    a, b = pair
+    pending = b.irecv(((1000,), torch.float32), 0, tag=7)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.extend(b.wait_any(timeout=10)))
+    waiter.start()
+    counted, until = 0, time.monotonic() + 0.3
+    while time.monotonic() < until:  # runs only if the waiting thread let go of the GIL
+        counted += 1
+    a.isend(torch.arange(1000.0), 1, tag=7).wait(5)
+    waiter.join(10)
+    assert counted > 10_000 and got == [pending]
+    assert torch.equal(pending.tensor, torch.arange(1000.0))
+
+
+def test_close_fails_in_flight_handles_and_the_peer_sees_it(pair):
+    a, b = pair
+    never = a.irecv(((4,), torch.float32), 1, tag=1)
+    waiting_on_a = b.irecv(((4,), torch.float32), 0, tag=2)
+    a.close()
+    with pytest.raises(EndpointClosedError):
+        never.wait(5)
+    with pytest.raises(EndpointClosedError):
+        a.isend(torch.zeros(1), 1, 3)
+    with pytest.raises(PeerError) as info:
+        waiting_on_a.wait(5)
+    assert info.value.peer_rank == 0 and "rank 0 closed its endpoint" in str(info.value)
+
+
+def test_sends_completed_before_close_still_arrive(pair):
+    a, b = pair
+    # Large sends complete once every chunk is in the receiver's inbox; small ones once queued,
+    # even before a receive is posted. Both must survive the sender closing right after.
+    large = [b.irecv(((300_000,), torch.float32), 0, tag=i) for i in range(3)]
+    for i in range(3):
+        a.isend(torch.full((300_000,), float(i)), 1, tag=i).wait(10)
+    a.isend(torch.tensor([42.0]), 1, tag=9).wait(10)
+    a.close()
+    for i, handle in enumerate(large):
+        assert bool((handle.wait(10) == i).all())
+    assert b.irecv(((1,), torch.float32), 0, tag=9).wait(10).item() == 42.0
+
+
+def test_segment_names_are_job_scoped_unlinked_at_once_and_foreign_names_untouched():
+    job_id = f"names-{uuid.uuid4().hex[:8]}"
+    name = _C.shm_segment_name(job_id, 3)
+    assert name.startswith("/strdma.") and ".r3." in name
+    # Entries that look like ours but belong to another job, or to nobody we know.
+    foreign = [_C.shm_segment_name("some-other-job", 0).lstrip("/"), "strdma-not-ours"]
+    for entry in foreign:
+        with open(f"/dev/shm/{entry}", "w") as f:
+            f.write("x")
+    try:
+        a, b = make_pair(job_id)
+        assert a.transport(1) == "shm"
+        assert shm_names_of(job_id) == []  # unlinked while the endpoints are alive
+        a.close()
+        b.close()
+        assert shm_names_of(job_id) == []
+        assert all(os.path.exists(f"/dev/shm/{entry}") for entry in foreign)
+    finally:
+        for entry in foreign:
+            os.unlink(f"/dev/shm/{entry}")
+
+
+def test_the_same_store_and_job_id_can_build_endpoints_again():
+    store = dist.HashStore()
+    for _ in range(2):
+        a, b = make_pair("again", store=store)
+        a.isend(torch.ones(3), 1, 0)
+        assert torch.equal(b.irecv(((3,), torch.float32), 0, 0).wait(5), torch.ones(3))
+        a.close()
+        b.close()
+
+
+def test_tags_pack_kind_chunk_microbatch():
+    tag = make_tag(1, 3, 1000)
+    assert split_tag(tag) == (1, 3, 1000)
+    assert len({make_tag(k, c, m) for k in range(2) for c in range(4) for m in range(8)}) == 64
+    with pytest.raises(ValueError, match="chunk=70000"):
+        make_tag(0, 70000, 0)
+
+
+def test_dtype_codes_are_stable_and_distinct():
+    assert dtype_code(torch.float32) == 1 and dtype_code(torch.bfloat16) == 4
+    codes = [dtype_code(d) for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool)]
+    assert len(set(codes)) == len(codes)

@@ -1,0 +1,85 @@
+"""Multi-process tests of shm_tensor_rdma over real shared memory and TCP.
+
+Each scenario runs once per module (real processes are the slow part) and the checks it
+recorded are asserted one test at a time, so a failure names the behaviour that broke.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from strdma_harness import finish_ranks, run_ranks, shm_names_of, start_ranks
+
+
+@pytest.fixture(scope="module", params=["shm", "tcp"])
+def basics(request, tmp_path_factory):
+    transports = "shm,tcp" if request.param == "shm" else "tcp"
+    run = run_ranks("basics", 2, tmp_path_factory.mktemp("basics"), transports=transports, timeout=60)
+    run.transport = request.param
+    return run
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_transport_is_chosen_by_peer_address(basics, rank):
+    assert basics.check(rank, "transport")["detail"] == basics.transport
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_dtype_and_shape_round_trips_bit_exact(basics, rank):
+    basics.check(rank, "dtypes_roundtrip")
+
+
+def test_later_smaller_transfers_complete_before_an_earlier_large_one(basics):
+    order = basics.check(1, "out_of_order")["detail"]
+    assert order[-1] == "large", order
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_dtype_and_size_mismatch_fail_with_both_ranks_named(basics, rank):
+    basics.check(rank, "mismatch")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_wait_timeout_and_transfer_timeout_raise_naming_the_peer(basics, rank):
+    basics.check(rank, "timeouts")
+
+
+def test_poll_reports_each_finished_handle_once(basics):
+    basics.check(1, "poll_once")
+
+
+def test_clean_exit_leaves_nothing_in_dev_shm(basics):
+    assert basics.returncodes == [0, 0], basics.describe()
+    for rank in (0, 1):
+        basics.check(rank, "closed")
+    assert shm_names_of(basics.job_id) == []
+
+
+def test_1000_random_concurrent_transfers_between_4_ranks_are_bit_exact(tmp_path):
+    run = run_ranks("mesh", 4, tmp_path, timeout=80, extra=["--count", "1000"])
+    total = 0
+    for rank in range(4):
+        detail = run.check(rank, "random_transfers")["detail"]
+        assert detail["transports"] == ["shm"], detail
+        total += detail["transfers"]
+    assert total == 2000  # each transfer is one send and one receive
+    assert run.returncodes == [0, 0, 0, 0], run.describe()
+    assert shm_names_of(run.job_id) == []
+
+
+def test_kill_9_of_a_rank_raises_peer_error_and_leaves_no_shm(tmp_path):
+    procs, store, job_id, out = start_ranks("dead_peer", 2, tmp_path)
+    deadline = time.monotonic() + 40
+    while not (out / "victim.ready").exists() and time.monotonic() < deadline and procs[1].poll() is None:
+        time.sleep(0.02)
+    assert (out / "victim.ready").exists(), (out / "rank1.log").read_text()
+    os.kill(procs[1].pid, signal.SIGKILL)
+    run = finish_ranks(procs, store, job_id, out, timeout=40)
+    detail = run.check(0, "peer_death")["detail"]
+    assert detail["detected_after_s"] < 5, detail
+    assert all("rank 1" in message for message in detail["errors"]), detail
+    assert run.returncodes == [0, -signal.SIGKILL], run.describe()
+    assert shm_names_of(job_id) == []
