@@ -131,15 +131,24 @@ class _Problem:
         means = np.divide(means, totals, out=np.zeros_like(means), where=totals > 0)
         return remaining - means[self.inst_index]
 
-    def fit(self, drift: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def fit(self, drift: bool, sigma: float | None = None) -> tuple[np.ndarray, np.ndarray, float]:
+        """IRLS with Huber weights; returns (unknowns, residuals, robust scale in µs). A given
+        `sigma` fixes the scale (so two models are judged by the same yardstick)."""
         weights = np.ones(len(self.d))
+        scale = sigma or 1.0
         for _ in range(_IRLS_STEPS):
             x = self.solve(weights, drift)
             r = self.residuals(x, weights, drift)
-            sigma = max(1.4826 * float(np.median(np.abs(r))), 1.0)  # µs; below 1 µs is clock noise
-            magnitude = np.abs(r)
-            weights = np.minimum(1.0, _HUBER_K * sigma / np.maximum(magnitude, 1e-12))
-        return x, r, weights
+            if sigma is None:
+                scale = max(1.4826 * float(np.median(np.abs(r))), 1.0)  # µs; below 1 µs is clock noise
+            weights = np.minimum(1.0, _HUBER_K * scale / np.maximum(np.abs(r), 1e-12))
+        return x, r, scale
+
+
+def huber_loss(r: np.ndarray, scale: float) -> float:
+    limit = _HUBER_K * scale
+    a = np.abs(r)
+    return float(np.sum(np.where(a <= limit, 0.5 * a * a, limit * (a - 0.5 * limit))))
 
 
 def align(trace: GlobalTrace, collectives: Collectives, *, allow_drift: bool = True) -> Alignment:
@@ -172,13 +181,15 @@ def align(trace: GlobalTrace, collectives: Collectives, *, allow_drift: bool = T
             local[comp_nodes] = np.arange(len(comp_nodes))
             mask = component[node] == comp
             problem = _Problem(local[node[mask]], instance[mask], d_us[mask], tau_s[mask], len(comp_nodes))
-            x, r, w = problem.fit(drift=False)
+            x, r, sigma = problem.fit(drift=False)
             use_drift = False
             if allow_drift and len(comp_nodes) > 1:
-                x1, r1, w1 = problem.fit(drift=True)
-                rss0, rss1 = float(np.sum(w * r * r)), float(np.sum(w1 * r1 * r1))
+                # Drift is kept only if it lowers the robust loss far more than its extra unknowns
+                # would by chance (an F-like test with both fits on the offset fit's scale).
+                x1, r1, _ = problem.fit(drift=True, sigma=sigma)
+                loss0, loss1 = huber_loss(r, sigma), huber_loss(r1, sigma)
                 dof = len(problem.d) - len(problem.sizes) - 2 * len(comp_nodes)
-                if dof > 0 and rss1 > 0 and (rss0 - rss1) / len(comp_nodes) / (rss1 / dof) > _F_THRESHOLD:
+                if dof > 0 and loss1 > 0 and (loss0 - loss1) / len(comp_nodes) / (loss1 / dof) > _F_THRESHOLD:
                     x, r, use_drift = x1, r1, True
             models["offset+drift" if use_drift else "offset"] += 1
             # Robust gauge: the median clock of the component is taken as right, so one skewed host

@@ -61,15 +61,28 @@ class LayerScopes:
             return None
         if stage_input is None or not stage_input.requires_grad:
             return None
+        # Layer L's output is layer L+1's input: the hooks of both fire for the same gradient, and
+        # sharing one timestamp per tensor keeps L+1's backward end equal to L's backward start.
+        output_mark = _shared_mark(stage_output)
+        input_mark = _shared_mark(stage_input)
         started: list = []
 
         def output_grad_ready(grad):
-            started.append(tracer.mark())
+            started.append(output_mark.setdefault("t", tracer.mark()))
 
         def input_grad_ready(grad):
             if started:
-                tracer.record_layer("layer_backward", started.pop(), tracer.mark(), number, context)
+                tracer.record_layer("layer_backward", started.pop(), input_mark.setdefault("t", tracer.mark()),
+                                    number, context)
 
         stage_output.register_hook(output_grad_ready)
         stage_input.register_hook(input_grad_ready)
         return None
+
+
+def _shared_mark(tensor: torch.Tensor) -> dict:
+    holder = getattr(tensor, "_megascan_grad_mark", None)
+    if holder is None:
+        holder = {}
+        tensor._megascan_grad_mark = holder
+    return holder
