@@ -56,3 +56,16 @@ def test_plugin_contract(tmp_path):
 def test_plugin_flag_absent_without_module():
     proc = torchrun("pretrain_gpt.py", ["--help"], nproc=1)
     assert "--tensor-model-parallel-size" in proc.stdout and "--record-hooks" not in proc.stdout
+
+
+def test_tensorboard_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    proc = torchrun("pretrain_gpt.py", [*SMALL_MODEL, "--mock-data", "--vocab-size", "256", "--train-iters", "3",
+                                        "--global-batch-size", "4", "--tensorboard-dir", str(tmp_path)], nproc=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3]
+    assert "learning-rate" in events.Tags()["scalars"]
