@@ -238,7 +238,7 @@ def read_rank_file(path: str | os.PathLike) -> RankFile:
         raise TraceFormatError(f"{path}: empty file, not a MegaScan trace")
     try:
         header = json.loads(lines[0])
-    except json.JSONDecodeError:
+    except ValueError:  # JSONDecodeError, or bytes that are not text at all
         raise TraceFormatError(f"{path}: first line is not JSON, not a MegaScan trace") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise TraceFormatError(f"{path}: not a MegaScan trace (no '\"format\": \"{FORMAT}\"' header)")
@@ -256,19 +256,23 @@ def read_rank_file(path: str | os.PathLike) -> RankFile:
     for number, raw in enumerate(lines[1:], start=2):
         try:
             record = json.loads(raw)
-        except json.JSONDecodeError:
+            kind = record.get("type")
+            if kind == "end":
+                ended = True
+                continue
+            if kind != "window":
+                continue
+            meta = {k: record[k] for k in ("window", "iterations", "clock", "metrics", "dropped")}
+            staged = {c: [] for c in parts}
+            _append_window(record, len(windows), names, groups, staged)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             if number == len(lines):
                 warnings.append(f"{path}: last line (window in progress when the rank stopped) is torn; ignored")
                 break
-            raise TraceFormatError(f"{path}: line {number} is not valid JSON") from None
-        kind = record.get("type")
-        if kind == "end":
-            ended = True
-            continue
-        if kind != "window":
-            continue
-        _append_window(record, len(windows), names, groups, parts)
-        windows.append({k: record[k] for k in ("window", "iterations", "clock", "metrics", "dropped")})
+            raise TraceFormatError(f"{path}: line {number} is not a valid window record ({exc!r:.80})") from None
+        for column, arrays in staged.items():
+            parts[column].extend(arrays)
+        windows.append(meta)
     columns = {c: (np.concatenate(v) if v else np.zeros(0, dtype=np.int64)) for c, v in parts.items()}
     group_list = [None] * len(groups)
     for (name, ranks, desc), index in groups.items():

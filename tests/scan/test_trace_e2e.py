@@ -198,5 +198,14 @@ def test_aggregate_script_with_seed_flags(traced_tp2_pp2, tmp_path):
     (["--trace-clock-skew", "x"], "--trace-clock-skew wants RANK:OFFSET_MS"),
 ])
 def test_bad_trace_flags_are_config_errors(flags, message):
-    proc = python(["pretrain_gpt.py", "--mock-data", "--trace", *flags])
-    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    from megatron.app.config import ConfigError
+    from megatron.app.train import parse
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse(["--mock-data", "--trace", *flags])
+
+
+def test_bad_trace_flag_message_on_the_command_line():
+    proc = python(["pretrain_gpt.py", "--mock-data", "--trace", "--trace-interval", "0"])
+    assert proc.returncode == 2 and "error: --trace-interval must be >= 1" in proc.stderr
+    assert "Traceback" not in proc.stderr
