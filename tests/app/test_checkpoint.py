@@ -49,6 +49,15 @@ def test_kill_and_resume_continues_the_loss_curve_exactly(tmp_path):
     assert sorted(after) == list(range(11, 17))
     assert after == {k: expected[k] for k in range(11, 17)}
 
+    # The tied word embedding (first stage) and output layer (last stage) stayed identical
+    # through 16 optimizer steps: their gradients are summed over the embedding group.
+    final = save / "iter_0000016"
+    for tp in (0, 1):
+        first = torch.load(final / f"mp_rank_{tp:02d}_000" / "model_optim_rng.pt", weights_only=False)
+        last = torch.load(final / f"mp_rank_{tp:02d}_001" / "model_optim_rng.pt", weights_only=False)
+        torch.testing.assert_close(first["model"][0]["embedding.word_embeddings.weight"],
+                                   last["model"][0]["output_layer.weight"], rtol=0, atol=0)
+
 
 def test_torn_save_is_ignored_and_damaged_file_is_reported(tmp_path):
     from megatron.app import checkpoint as ckpt
