@@ -115,7 +115,6 @@ void Engine::connect(const std::vector<std::string>& addresses, double timeout_s
       opt.ctrl_slot_payload = static_cast<uint32_t>(sizeof(CtrlHeader) + cfg_.eager_bytes);
       opt.bulk_slots = cfg_.shm_bulk_slots;
       opt.bulk_slot_payload = static_cast<uint32_t>(sizeof(CtrlHeader) + cfg_.workload_bytes);
-      opt.spin_us = cfg_.spin_us;
       shm_ = std::make_unique<ShmDomain>(*this, opt, cfg_.job_id, cfg_.rank, cfg_.world_size, local);
       // Serve our segment while fetching the peers' ones, so no pair waits on the other.
       std::exception_ptr server_error;
@@ -185,13 +184,47 @@ int Engine::state(uint64_t id) {
   return it->second->published ? static_cast<int>(it->second->state) : static_cast<int>(ReqState::Pending);
 }
 
+template <class Ready>
+bool Engine::spin_until(Ready ready, Clock::time_point deadline) {
+  if (!shm_ || cfg_.spin_us <= 0 || !connected_) return false;
+  const auto spin = std::chrono::microseconds(cfg_.spin_us);
+  auto until = std::min(deadline, Clock::now() + spin);
+  uint64_t seen = publications_.load(std::memory_order_acquire) - 1;  // check once up front
+  bool result = false;
+  shm_->begin_polling();
+  for (;;) {
+    uint64_t now_seen = publications_.load(std::memory_order_acquire);
+    if (now_seen != seen) {
+      seen = now_seen;
+      std::lock_guard<std::mutex> lk(mu_);
+      if (ready()) {
+        result = true;
+        break;
+      }
+    }
+    if (shm_->progress_once()) {
+      until = std::min(deadline, Clock::now() + spin);  // traffic is flowing: keep going
+      continue;
+    }
+    if (Clock::now() >= until) break;
+    cpu_relax();
+  }
+  shm_->end_polling();
+  if (!result) {
+    std::lock_guard<std::mutex> lk(mu_);
+    result = ready();
+  }
+  return result;
+}
+
 bool Engine::wait(uint64_t id, double timeout_s) {
   const auto deadline = deadline_after(timeout_s);
-  std::unique_lock<std::mutex> lk(mu_);
   auto done = [&] {
     auto it = requests_.find(id);
     return it == requests_.end() || it->second->published;
   };
+  if (spin_until(done, deadline)) return true;
+  std::unique_lock<std::mutex> lk(mu_);
   if (deadline == Clock::time_point::max()) {
     done_cv_.wait(lk, done);
     return true;
@@ -238,6 +271,7 @@ std::vector<Finished> Engine::poll() {
 
 std::vector<Finished> Engine::wait_any(double timeout_s) {
   const auto deadline = deadline_after(timeout_s);
+  spin_until([&] { return !completed_.empty() || requests_.empty(); }, deadline);
   std::unique_lock<std::mutex> lk(mu_);
   std::vector<Finished> out;
   for (;;) {

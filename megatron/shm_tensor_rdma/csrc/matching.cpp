@@ -337,6 +337,7 @@ void Engine::maybe_publish(const std::shared_ptr<Request>& req) {
   req->published = true;
   if (channels_[req->peer]) channels_[req->peer]->request_finished(*req);
   completed_.push_back(req->id);
+  publications_.fetch_add(1, std::memory_order_release);
   done_cv_.notify_all();
 }
 

@@ -57,7 +57,9 @@ uint64_t ShmChannel::eager_limit() const { return out_ctrl_.slot_payload() - siz
 
 void ShmChannel::ring_peer_doorbell() {
   peer_header_->doorbell.fetch_add(1, std::memory_order_seq_cst);
-  if (peer_header_->sleepers.load(std::memory_order_seq_cst) > 0) futex_wake(&peer_header_->doorbell, 1);
+  if (peer_header_->sleepers.load(std::memory_order_seq_cst) > 0 &&
+      peer_header_->pollers.load(std::memory_order_seq_cst) == 0)
+    futex_wake(&peer_header_->doorbell, 1);
 }
 
 bool ShmChannel::try_push_ctrl(const CtrlHeader& h, const void* payload) {
@@ -205,6 +207,7 @@ ShmDomain::ShmDomain(EngineSink& sink, const ShmOptions& options, const std::str
   header_->total_bytes = bytes_;
   header_->doorbell.store(0);
   header_->sleepers.store(0);
+  header_->pollers.store(0);
   uint64_t* offsets = ring_table(base_);
   size_t at = rings_start;
   for (int peer : local_peers) {
@@ -272,6 +275,23 @@ void ShmDomain::stop() {
   for (auto& t : threads_)
     if (t.joinable()) t.join();
   threads_.clear();
+}
+
+bool ShmDomain::progress_once() {
+  bool did = false;
+  for (auto& ch : channels_) {
+    did |= ch->poll_ctrl();
+    did |= ch->poll_bulk();
+  }
+  return did;
+}
+
+void ShmDomain::end_polling() {
+  header_->pollers.fetch_sub(1, std::memory_order_seq_cst);
+  // A producer that saw us polling did not ring; its message was published before that, so
+  // one more pass after leaving catches it.
+  while (progress_once()) {
+  }
 }
 
 void ShmDomain::recv_loop() {

@@ -26,7 +26,7 @@ struct ShmOptions {
   uint32_t ctrl_slot_payload = 4096;   // header + Eager payload
   uint32_t bulk_slots = 8;
   uint32_t bulk_slot_payload = 1 << 20;  // header + one Data chunk
-  int spin_us = 50;                     // busy-poll this long before sleeping on the doorbell
+  int spin_us = 5;  // receive threads busy-poll this long before sleeping on the doorbell
 };
 
 struct alignas(64) SegmentHeader {
@@ -39,7 +39,8 @@ struct alignas(64) SegmentHeader {
   char pad0[32];
   std::atomic<uint32_t> doorbell;  // bumped by every producer after publishing
   std::atomic<uint32_t> sleepers;  // receive threads asleep on the doorbell
-  char pad1[56];
+  std::atomic<uint32_t> pollers;   // callers busy-polling the inbox: no wake-up needed
+  char pad1[52];
   // followed by world_size entries of {ctrl ring offset, bulk ring offset}; 0 = no ring
 };
 
@@ -95,6 +96,13 @@ class ShmDomain {
   ShmChannel* attach_peer(int peer, int fd);
   void start(int recv_threads);
   void stop();
+  // One pass over all inbound rings; any thread may call it (waiting callers do, so a reply
+  // is consumed without waking a receive thread first). True when something was consumed.
+  bool progress_once();
+  // Brackets a caller's busy-polling. While one polls, producers skip the doorbell wake-up
+  // (a syscall, and on few cores a context switch that preempts the poller).
+  void begin_polling() { header_->pollers.fetch_add(1, std::memory_order_seq_cst); }
+  void end_polling();
   // Ring offsets inside a segment for messages produced by `source`.
   static bool ring_offsets(void* base, int source, uint64_t* ctrl, uint64_t* bulk);
   void* inbox_base() const { return base_; }

@@ -1,8 +1,6 @@
 // RDMA verbs transport. Without STRDMA_HAVE_VERBS only the "unavailable" answers are built.
 #include "verbs_transport.h"
 
-#ifndef STRDMA_HAVE_VERBS
-
 namespace strdma {
 
 bool verbs_compiled() { return false; }
@@ -18,7 +16,3 @@ std::unique_ptr<VerbsContext> open_verbs(const std::string&, std::string* why) {
 }
 
 }  // namespace strdma
-
-#else
-#include "verbs_impl.inc"
-#endif
