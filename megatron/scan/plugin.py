@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import sys
 import uuid
 from pathlib import Path
 
@@ -130,3 +131,6 @@ class ScanPlugin(Plugin):
     def _close(self, reason: str) -> None:
         if self.tracer is not None and not self.tracer.closed:
             self.tracer.close({"reason": reason})
+            if self.tracer.writer.error is not None:
+                print(f"[megascan] warning: trace writer failed on {self.tracer.writer.path}: "
+                      f"{self.tracer.writer.error!r}", file=sys.stderr, flush=True)

@@ -121,7 +121,8 @@ def encode_window(record: WindowRecord, skew: ClockSkew | None = None) -> bytes:
         "iterations": list(record.iterations),
         "clock": {"start": clock_start, "end": clock_end},
         "names": list(names),
-        "groups": {str(g): record.groups[g] for g in sorted(used_groups)},
+        "groups": {str(g): record.groups.get(g, {"name": f"unknown-{g}", "ranks": [], "desc": ""})
+                   for g in sorted(used_groups)},
         "metrics": record.metrics,
         "dropped": record.dropped,
         "events": columns,

@@ -39,35 +39,35 @@ class WindowSchedule:
 
 
 class _Span:
-    __slots__ = ("tracer", "kind", "attrs", "start", "context")
+    __slots__ = ("tracer", "kind", "attrs", "start", "context", "host")
 
     def __init__(self, tracer: "Tracer", kind: str, attrs: dict) -> None:
         self.tracer = tracer
         self.kind = kind
         self.attrs = attrs
+        self.host = kind in HOST_KINDS
 
     def __enter__(self) -> None:
         tracer = self.tracer
         if self.kind in _CONTEXT_KINDS:
             self.context = tracer.context
-            tracer.context = (self.attrs.get("microbatch", -1), self.attrs.get("chunk", -1))
-        self.start = tracer.host_now() if self.kind in HOST_KINDS else tracer.mark()
+            get = self.attrs.get
+            tracer.context = (get("microbatch", -1), get("chunk", -1))
+        self.start = tracer.host_now() if self.host else tracer.mark()
 
     def __exit__(self, *exc) -> bool:
         tracer = self.tracer
-        end = tracer.host_now() if self.kind in HOST_KINDS else tracer.mark()
-        attrs = self.attrs
-        flags = tracer.device_flag if self.kind not in HOST_KINDS else 0
-        if attrs.get("direction") == "B":
+        end = tracer.host_now() if self.host else tracer.mark()
+        get = self.attrs.get
+        flags = 0 if self.host else tracer.device_flag
+        if get("direction") == "B":
             flags |= FLAG_BACKWARD
         if self.kind in _CONTEXT_KINDS:
             tracer.context = self.context
         microbatch, chunk = tracer.context
-        tracer.events.append((
-            self.kind, self.start, end, tracer.iteration, attrs.get("microbatch", microbatch),
-            attrs.get("chunk", chunk), attrs.get("bytes", -1), attrs.get("peer", -1), -1,
-            attrs.get("seq", -1), attrs.get("layer", -1), flags, attrs.get("dtype"),
-        ))
+        tracer.events.append((self.kind, self.start, end, tracer.iteration, get("microbatch", microbatch),
+                              get("chunk", chunk), get("bytes", -1), get("peer", -1), -1, get("seq", -1),
+                              get("layer", -1), flags, get("dtype")))
         return False
 
 
