@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.app.model import unwrap_model
+
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
 
@@ -103,7 +105,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, chunks, op
             "iteration": iteration,
             "consumed_samples": consumed_samples,
             "layout": layout_signature(cfg),
-            "model": [getattr(c, "module", c).state_dict() for c in chunks],
+            "model": [unwrap_model(c).state_dict() for c in chunks],
             "optimizer": optimizer.state_dict(),
             "rng": rng_state(),
             "args": {k: v for k, v in vars(cfg.args).items() if isinstance(v, (int, float, str, bool, type(None), list))},
@@ -161,7 +163,7 @@ def load_checkpoint(root: str, chunks, optimizer, cfg, tp_rank: int, pp_rank: in
             + "\nlaunch with the checkpoint's model and parallel sizes"
         )
     for chunk, state in zip(chunks, payload["model"]):
-        getattr(chunk, "module", chunk).load_state_dict(state)
+        unwrap_model(chunk).load_state_dict(state)
     optimizer.load_state_dict(payload["optimizer"])
     set_rng_state(payload["rng"])
     return payload["iteration"], payload["consumed_samples"]

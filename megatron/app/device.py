@@ -17,6 +17,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.app.model import unwrap_model
+
 
 class DeviceError(RuntimeError):
     """The requested device cannot be used on this machine."""
@@ -367,7 +369,7 @@ def _all_reduce_tied_embedding_grads(chunks: Sequence[torch.nn.Module]) -> None:
         return
     weight = None
     for chunk in chunks:
-        module = getattr(chunk, "module", chunk)
+        module = unwrap_model(chunk)
         if getattr(module, "share_embeddings_and_output_weights", False) and (
             module.pre_process or module.post_process
         ):
@@ -447,7 +449,7 @@ def model_parallel_grad_norm(chunks: Sequence[torch.nn.Module]) -> float:
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     total = torch.zeros(1, dtype=torch.float64)
     for chunk in chunks:
-        module = getattr(chunk, "module", chunk)
+        module = unwrap_model(chunk)
         for param in chunk.parameters():
             if param.grad is None:
                 continue

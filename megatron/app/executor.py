@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.app.model import unwrap_model
 from megatron.app.observer import get_observer
 from megatron.app.schedule import PipelineLayout, Task, TaskKind, format_schedule
 from megatron.app.transport import Message, TorchDistributedTransport, Transport, message_tag
@@ -155,7 +156,7 @@ class PipelineExecutor:
         if received is not None:
             received.requires_grad_(not forward_only)
         with get_observer().span("forward", chunk=task.chunk, microbatch=task.microbatch):
-            getattr(chunk, "module", chunk).set_input_tensor(received)
+            unwrap_model(chunk).set_input_tensor(received)
             is_last = self.stage.layout.is_last_stage(self.stage.pp_rank, task.chunk)
             with torch.set_grad_enabled(not forward_only):
                 output = chunk(

@@ -72,8 +72,20 @@ def build_model_chunks(model_cfg: ModelConfig, parallel: ParallelConfig, num_chu
                 vp_stage=vp,
             )
         init_parallel_invariant(chunk, seed, model_cfg)
+        if model_cfg.bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            # Casts the parameters to bf16 and the first stage's inputs / last stage's outputs.
+            chunk = Float16Module(config, chunk)
         chunks.append(chunk)
     return chunks
+
+
+def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
 
 
 def global_parameter_name(chunk: torch.nn.Module, local_name: str) -> str:

@@ -82,8 +82,10 @@ def test_device_switch():
             device.resolve_device("cuda")
 
 
-def test_forced_cpu_path_trains_with_gloo():
-    proc = torchrun("pretrain_gpt.py", [*SMALL, "--device", "cpu", "--pipeline-model-parallel-size", "2"], nproc=2)
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_forced_cpu_path_trains_with_gloo(precision):
+    proc = torchrun("pretrain_gpt.py", [*SMALL, *precision, "--device", "cpu", "--pipeline-model-parallel-size", "2"],
+                    nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "device cpu" in proc.stdout and " iteration        3/" in proc.stdout
 
