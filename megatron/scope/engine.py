@@ -1,0 +1,188 @@
+"""Token-by-token generation with live captures, and the command loop that keeps every rank
+of a TP/PP job in step with the serving rank (global rank 0)."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.scope.analysis import PCAResult, pca, top_k
+from megatron.scope.codec import encode_frame, reduce_bins
+from megatron.scope.perturb import Perturbation
+from megatron.scope.runner import ForwardResult, ModelRunner
+
+Emit = Callable[[str, Any, bool], None]  # (kind "json"|"binary", payload, droppable)
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerateRequest:
+    request_id: int = 0
+    prompts: list[str] = field(default_factory=lambda: ["Hello"])
+    max_new_tokens: int = 8
+    capture: list[str] = field(default_factory=list)
+    bins: int = 32
+    reduce: str = "mean"
+    top_k: int = 5
+    temperature: float = 0.0
+    seed: int = 0
+    lens: bool = False
+    perturbations: list[Perturbation] = field(default_factory=list)
+
+
+class Coordinator:
+    """Rank 0 broadcasts each command; the other ranks run `follow()` and obey. One rank: direct."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.distributed = runner.distributed
+
+    def forward(self, **kwargs: Any) -> ForwardResult:
+        if self.distributed:
+            dist.broadcast_object_list([("forward", kwargs)], src=0)
+        return self.runner.forward(**kwargs)
+
+    def send(self, command: str, payload: Any = None) -> Any:
+        """A non-forward command ("exit", "resume", "idle", or one a caller handles)."""
+        if self.distributed:
+            box = [(command, payload)]
+            dist.broadcast_object_list(box, src=0)
+
+    def follow(self, handlers: dict[str, Callable[[Any], None]] | None = None) -> str:
+        """Obey rank 0 until it sends a command not handled here; return that command."""
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0)
+            command, payload = box[0]
+            if command == "forward":
+                self.runner.forward(**payload)
+            elif command == "idle":
+                continue
+            elif handlers and command in handlers:
+                handlers[command](payload)
+            else:
+                return command
+
+
+class Generator:
+    """Generation on rank 0; all model work goes through the Coordinator."""
+
+    def __init__(self, coordinator: Coordinator, tokenizer, vocab_size: int) -> None:
+        self.coordinator = coordinator
+        self.tokenizer = tokenizer
+        self.info = coordinator.runner.info
+        self.vocab_size = vocab_size
+        # Hidden states of the latest generation, per layer, for PCA: rows and their labels.
+        self.hidden_rows: dict[int, list[np.ndarray]] = {}
+        self.hidden_labels: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+
+    def token_text(self, token: int) -> str:
+        try:
+            return self.tokenizer.detokenize([int(token)])
+        except Exception:  # ids past the tokenizer (padded vocab) still need a label
+            return f"<{int(token)}>"
+
+    def encode_prompts(self, prompts: Sequence[str]) -> list[list[int]]:
+        limit = max(1, self.info.max_positions - 1)
+        encoded = []
+        for prompt in prompts:
+            ids = self.tokenizer.tokenize(prompt) if prompt else []
+            encoded.append((ids or [self.tokenizer.eod])[-limit:])
+        return encoded
+
+    def generate(self, request: GenerateRequest, emit: Emit, should_stop: Callable[[], bool] = lambda: False) -> dict:
+        sequences = self.encode_prompts(request.prompts)
+        generator = torch.Generator().manual_seed(request.seed)
+        pad = self.tokenizer.eod
+        keep_hidden = "layer" in request.capture
+        if keep_hidden:
+            with self.lock:
+                self.hidden_rows, self.hidden_labels = {}, []
+        emit("json", {"type": "start", "request": request.request_id,
+                      "prompts": [[[t, self.token_text(t)] for t in seq] for seq in sequences]}, False)
+        steps = 0
+        for step in range(request.max_new_tokens):
+            if should_stop() or max(len(s) for s in sequences) >= self.info.max_positions:
+                break
+            lengths = [len(s) for s in sequences]
+            width = max(lengths)
+            tokens = torch.tensor([s + [pad] * (width - len(s)) for s in sequences], dtype=torch.long)
+            if step == 0:
+                positions = torch.arange(width).unsqueeze(0).expand(len(sequences), width)
+            else:
+                positions = torch.tensor([[n - 1] for n in lengths])
+            result = self.coordinator.forward(
+                tokens=tokens, capture=list(request.capture), perturbations=list(request.perturbations),
+                positions=positions if request.capture or request.lens else None,
+                lens_top_k=request.top_k if request.lens else 0,
+            )
+            last = result.logits[torch.arange(len(sequences)), torch.tensor(lengths) - 1, : self.vocab_size]
+            probs, ids, values = top_k(last, request.top_k, request.temperature)
+            if request.temperature > 0:
+                chosen = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            else:
+                chosen = last.argmax(dim=-1)
+            header = self._step_header(request, step, sequences, positions, lengths, chosen, probs, ids, values)
+            arrays = self._step_arrays(request, result, header)
+            if keep_hidden:
+                self._keep_hidden(result.captures["layer"], positions, lengths, sequences)
+            emit("binary", encode_frame(header, arrays), True)
+            for seq, token in zip(sequences, chosen.tolist()):
+                seq.append(int(token))
+            steps += 1
+        summary = {"type": "done", "request": request.request_id, "steps": steps,
+                   "texts": [self.tokenizer.detokenize(s) for s in sequences],
+                   "tokens": [[[t, self.token_text(t)] for t in s] for s in sequences]}
+        return summary
+
+    def _step_header(self, request, step, sequences, positions, lengths, chosen, probs, ids, values) -> dict:
+        samples = []
+        for b, seq in enumerate(sequences):
+            rows = [int(p) for p in positions[b].tolist() if p < lengths[b]]
+            samples.append({
+                "length": lengths[b],
+                "positions": rows,
+                "tokens": [[seq[p], self.token_text(seq[p])] for p in rows],
+                "sampled": {"id": int(chosen[b]), "text": self.token_text(int(chosen[b])),
+                            "prob": float(probs[b, chosen[b]])},
+                "topk": [[int(i), self.token_text(int(i)), float(v)] for i, v in zip(ids[b], values[b])],
+            })
+        return {"type": "step", "request": request.request_id, "step": step,
+                "bins": request.bins, "reduce": request.reduce, "samples": samples,
+                "positions": positions.tolist()}
+
+    def _step_arrays(self, request: GenerateRequest, result: ForwardResult, header: dict) -> dict:
+        arrays: dict[str, Any] = {}
+        for kind, value in result.captures.items():
+            if kind == "attention":
+                arrays[kind] = value  # [layers, batch, heads, positions, keys]
+            else:
+                arrays[kind] = reduce_bins(value, request.bins, request.reduce)  # [layers, batch, positions, bins]
+        if result.lens_ids is not None:
+            arrays["lens_ids"] = result.lens_ids.to(torch.int32)  # [layers, batch, positions, k]
+            arrays["lens_probs"] = result.lens_probs
+            header["lens_vocab"] = {str(i): self.token_text(i) for i in set(result.lens_ids.flatten().tolist())}
+        return arrays
+
+    def _keep_hidden(self, layers: torch.Tensor, positions, lengths, sequences) -> None:
+        # layers: [layers, batch, positions, hidden]
+        with self.lock:
+            for b in range(layers.shape[1]):
+                for j, p in enumerate(positions[b].tolist()):
+                    if p >= lengths[b]:
+                        continue
+                    for layer in range(layers.shape[0]):
+                        self.hidden_rows.setdefault(layer, []).append(layers[layer, b, j].numpy())
+                    self.hidden_labels.append({"sample": b, "position": int(p),
+                                               "text": self.token_text(sequences[b][p])})
+
+    def pca(self, layer: int) -> tuple[PCAResult, list[dict[str, Any]]]:
+        with self.lock:
+            rows = self.hidden_rows.get(layer)
+            if not rows or len(rows) < 2:
+                raise ValueError("no hidden states yet: generate with the 'layer' capture on first")
+            return pca(np.stack(rows), 2), list(self.hidden_labels)

@@ -1,0 +1,119 @@
+"""Models MegaScope can serve: a checkpoint of our trainer, a local Hugging Face GPT-2
+directory, or a freshly initialised model (demos and tests). Returns this rank's chunks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron.app import checkpoint as ckpt
+from megatron.app.config import ModelConfig, ParallelConfig
+from megatron.app.tokenizer import Tokenizer, build_tokenizer
+from megatron.scope.runner import ModelInfo, ModelRunner
+
+
+class ModelLoadError(RuntimeError):
+    """The model to serve cannot be built; the message says which flag or file to fix."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LoadedModel:
+    runner: ModelRunner
+    tokenizer: Tokenizer
+    model_config: ModelConfig
+    backend: Any = None
+
+
+def init_parallel(tp: int, pp: int, seed: int, device: str = "cpu"):
+    """Process groups and the CPU stand-ins, as the trainer sets them up (torchrun env or one rank)."""
+    import torch.distributed as dist
+
+    from megatron.app.device import build_backend
+
+    backend = build_backend(device)
+    backend.init_distributed(timeout_s=600)
+    world = dist.get_world_size()
+    if world != tp * pp:
+        raise ModelLoadError(
+            f"tp({tp}) x pp({pp}) = {tp * pp} != world_size({world}): MegaScope serves one model "
+            f"replica; launch with --nproc-per-node {tp * pp}"
+        )
+    backend.init_model_parallel(tp, pp, None, seed)
+    return backend
+
+
+def info_for(model_cfg: ModelConfig, tp: int, pp: int, name: str) -> ModelInfo:
+    return ModelInfo(num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
+                     num_heads=model_cfg.num_attention_heads,
+                     ffn_hidden_size=model_cfg.ffn_hidden_size or 4 * model_cfg.hidden_size,
+                     vocab_size=model_cfg.vocab_size, max_positions=model_cfg.max_position_embeddings,
+                     tp=tp, pp=pp, name=name)
+
+
+def build_random(model_cfg: ModelConfig, tokenizer: Tokenizer, tp: int = 1, pp: int = 1, seed: int = 1234,
+                 device: str = "cpu", name: str = "random") -> LoadedModel:
+    """A parallelism-invariant random model: the same seed gives the same weights for any TP x PP."""
+    from megatron.app.model import build_model_chunks
+
+    backend = init_parallel(tp, pp, seed, device)
+    model_cfg.vocab_size = tokenizer.vocab_size
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp)
+    chunks = build_model_chunks(model_cfg, parallel, 1, seed, backend.model_construction)
+    for chunk in chunks:
+        chunk.to(backend.device).eval()
+    runner = ModelRunner(chunks, info_for(model_cfg, tp, pp, name), backend.device)
+    return LoadedModel(runner=runner, tokenizer=tokenizer, model_config=model_cfg, backend=backend)
+
+
+def read_checkpoint_header(root: str) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    """(iteration, model_config dict, args dict) from TP/PP rank (0, 0) of the latest checkpoint."""
+    try:
+        iteration = ckpt.find_latest(root)
+    except ckpt.CheckpointError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    path = ckpt.rank_file(ckpt.iteration_dir(root, iteration), 0, 0)
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing; is {root} a checkpoint directory of pretrain_gpt.py?")
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    return iteration, payload.get("model_config", {}), payload.get("args", {})
+
+
+def load_checkpoint(root: str, tokenizer_overrides: dict[str, Any] | None = None, device: str = "cpu") -> LoadedModel:
+    """Build the model recorded in a checkpoint with the TP x PP layout it was saved with."""
+    from megatron.app.model import build_model_chunks
+
+    iteration, saved_cfg, args = read_checkpoint_header(root)
+    known = {f.name for f in fields(ModelConfig)}
+    model_cfg = ModelConfig(**{k: v for k, v in saved_cfg.items() if k in known})
+    tp = int(args.get("tensor_model_parallel_size", 1))
+    pp = int(args.get("pipeline_model_parallel_size", 1))
+    if args.get("num_layers_per_virtual_pipeline_stage"):
+        raise ModelLoadError("checkpoints with virtual pipeline stages are not supported by MegaScope yet")
+    tokenizer = tokenizer_from_args(args, tokenizer_overrides or {})
+    backend = init_parallel(tp, pp, int(args.get("seed", 1234)), device)
+    from megatron.core import parallel_state as ps
+
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp)
+    chunks = build_model_chunks(model_cfg, parallel, 1, 0, backend.model_construction)
+    path = ckpt.rank_file(ckpt.iteration_dir(root, iteration), ps.get_tensor_model_parallel_rank(),
+                          ps.get_pipeline_model_parallel_rank())
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    chunks[0].load_state_dict(payload["model"][0])
+    for chunk in chunks:
+        chunk.to(backend.device).eval()
+    runner = ModelRunner(chunks, info_for(model_cfg, tp, pp, f"{Path(root).name}@{iteration}"), backend.device)
+    return LoadedModel(runner=runner, tokenizer=tokenizer, model_config=model_cfg, backend=backend)
+
+
+def tokenizer_from_args(args: dict[str, Any], overrides: dict[str, Any]) -> Tokenizer:
+    merged = {k: args.get(k) for k in ("tokenizer_type", "vocab_file", "merge_file", "vocab_size")}
+    merged.update({k: v for k, v in overrides.items() if v is not None})
+    if merged["tokenizer_type"] is None:
+        merged["tokenizer_type"] = "NullTokenizer"
+    try:
+        kwargs = {"vocab_size": merged["vocab_size"]} if merged["tokenizer_type"] == "NullTokenizer" else {}
+        return build_tokenizer(merged["tokenizer_type"], merged["vocab_file"], merged["merge_file"], **kwargs)
+    except Exception as exc:
+        raise ModelLoadError(f"tokenizer: {exc} (override with --tokenizer-type/--vocab-file/--merge-file)") from exc
