@@ -102,7 +102,7 @@ def scenario_basics(ep: Endpoint, args, checks: Checks) -> None:
     def out_of_order():
         # Rank 0 sends large, then medium (rendezvous), then small (eager); rank 1 records the
         # order in which its receives complete.
-        sizes = {"large": 16 << 20, "medium": 256 << 10, "small": 64}
+        sizes = {"large": 32 << 20, "medium": 256 << 10, "small": 64}
         tags = {"large": 500, "medium": 501, "small": 502}
         if ep.rank == 0:
             handles = [ep.isend(torch.ones(n // 4), 1, tags[k]) for k, n in sizes.items()]
@@ -112,7 +112,9 @@ def scenario_basics(ep: Endpoint, args, checks: Checks) -> None:
         order = []
         while len(order) < len(handles):
             order += [handles[h] for h in ep.wait_any(timeout=30)]
-        assert order[-1] == "large", f"completion order {order}"
+        # The eager small message must overtake; where the medium one lands depends on when
+        # its clear-to-send reaches rank 0 relative to the large stream, so it is only reported.
+        assert order.index("small") < order.index("large"), f"completion order {order}"
         return order
     checks.run("out_of_order", out_of_order)
     barrier(ep, 2)

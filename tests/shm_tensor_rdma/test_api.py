@@ -26,7 +26,8 @@ from megatron.shm_tensor_rdma.dtypes import dtype_code
 from strdma_harness import shm_names_of
 
 
-def make_pair(job_id: str | None = None, store=None, config: EndpointConfig | None = None):
+def make_pair(job_id: str | None = None, store=None, config: EndpointConfig | None = None,
+              per_rank_configs: list[EndpointConfig] | None = None):
     """Ranks 0 and 1 of one job, built concurrently (each constructor waits for the other)."""
     job_id = job_id or f"api-{uuid.uuid4().hex[:8]}"
     store = store or dist.HashStore()
@@ -35,7 +36,8 @@ def make_pair(job_id: str | None = None, store=None, config: EndpointConfig | No
 
     def build(rank: int) -> None:
         try:
-            endpoints[rank] = Endpoint.from_store(store, job_id, rank, 2, host="127.0.0.1", config=config)
+            rank_config = per_rank_configs[rank] if per_rank_configs else config
+            endpoints[rank] = Endpoint.from_store(store, job_id, rank, 2, host="127.0.0.1", config=rank_config)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 

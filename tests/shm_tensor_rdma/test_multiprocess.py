@@ -34,7 +34,7 @@ def test_every_dtype_and_shape_round_trips_bit_exact(basics, rank):
 
 def test_later_smaller_transfers_complete_before_an_earlier_large_one(basics):
     order = basics.check(1, "out_of_order")["detail"]
-    assert order[-1] == "large", order
+    assert order.index("small") < order.index("large"), order
 
 
 @pytest.mark.parametrize("rank", [0, 1])

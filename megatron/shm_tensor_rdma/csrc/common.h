@@ -82,7 +82,7 @@ struct CtrlHeader {
   uint32_t payload_bytes = 0;  // bytes that follow the header in the same slot/frame
   uint32_t error_kind = 0;     // Nack: ErrorKind
   uint32_t from_sender = 0;    // Nack: 1 when the sender abandons, 0 when the receiver refuses
-  uint32_t reserved = 0;
+  uint32_t token = 0;          // verbs Cts: immediate value the final RDMA write must carry
   int64_t shape[kMaxDims] = {};
 };
 static_assert(sizeof(CtrlHeader) % 8 == 0, "header must keep payloads 8-byte aligned");
