@@ -206,7 +206,8 @@ class PerturbationHooks:
                 attention = layer.self_attention.core_attention
                 handles.append(attention.register_forward_hook(self._sequence_hook(p, index, number, "attention", True)))
                 if not p.heads:
-                    handles.append(layer.mlp.register_forward_hook(self._sequence_hook(p, index, number, "mlp", False)))
+                    handles.append(layer.mlp.linear_fc2.register_forward_hook(
+                        self._sequence_hook(p, index, number, "mlp", False)))
         return handles
 
     def _layer_output_hook(self, p: Perturbation, index: int, number: int):

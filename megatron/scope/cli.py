@@ -1,0 +1,117 @@
+"""`python -m megatron.scope serve ...`: load a model and serve the MegaScope app on one port.
+Under torchrun with TP x PP ranks, global rank 0 serves and the other ranks follow it."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from megatron.scope.server import ServerConfig
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("MegaScope server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; the default keeps the server on this machine")
+    g.add_argument("--port", type=int, default=8765, help="HTTP + WebSocket port (0 = any free port)")
+    g.add_argument("--token", default=None, help="access token (default: a new random one per run)")
+    g.add_argument("--allow-origin", action="append", default=[],
+                   help="extra browser origin allowed to open the WebSocket (e.g. a dev server)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megatron.scope", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model for live inspection during generation")
+    source = serve.add_mutually_exclusive_group(required=True)
+    source.add_argument("--load", help="checkpoint directory written by pretrain_gpt.py --save")
+    source.add_argument("--hf-gpt2", help="local Hugging Face GPT-2 directory (config.json, weights, vocab.json, merges.txt)")
+    source.add_argument("--random-model", action="store_true", help="a freshly initialised model (demo/testing)")
+    add_server_arguments(serve)
+    g = serve.add_argument_group("model (with --random-model or --hf-gpt2)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--max-position-embeddings", type=int, default=128)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu")
+    g = serve.add_argument_group("tokenizer (defaults: what the checkpoint was trained with)")
+    g.add_argument("--tokenizer-type", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    return parser
+
+
+def load_model(args: argparse.Namespace):
+    from megatron.scope import loading
+
+    if args.load:
+        overrides = {"tokenizer_type": args.tokenizer_type, "vocab_file": args.vocab_file,
+                     "merge_file": args.merge_file}
+        return loading.load_checkpoint(args.load, overrides, device=args.device)
+    if args.hf_gpt2:
+        from megatron.scope.gpt2 import load_gpt2
+
+        return load_gpt2(args.hf_gpt2, tp=args.tensor_model_parallel_size,
+                         pp=args.pipeline_model_parallel_size, device=args.device)
+    from megatron.app.config import ModelConfig
+    from megatron.app.tokenizer import ByteLevelTokenizer
+
+    tokenizer = ByteLevelTokenizer() if args.tokenizer_type is None else loading.tokenizer_from_args(
+        {}, {"tokenizer_type": args.tokenizer_type, "vocab_file": args.vocab_file, "merge_file": args.merge_file})
+    cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      num_attention_heads=args.num_attention_heads, seq_length=args.max_position_embeddings,
+                      max_position_embeddings=args.max_position_embeddings)
+    return loading.build_random(cfg, tokenizer, args.tensor_model_parallel_size,
+                                args.pipeline_model_parallel_size, args.seed, args.device)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    config = ServerConfig(host=args.host, port=args.port, allowed_origins=tuple(args.allow_origin))
+    if args.token:
+        config.token = args.token
+    return config
+
+
+def serve(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from megatron.scope.engine import Coordinator, Generator
+    from megatron.scope.loading import ModelLoadError
+    from megatron.scope.service import ScopeService
+
+    try:
+        model = load_model(args)
+    except ModelLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    coordinator = Coordinator(model.runner)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank != 0:
+        coordinator.follow()  # returns on "exit"
+        return 0
+    generator = Generator(coordinator, model.tokenizer, model.tokenizer.vocab_size)
+    service = ScopeService(generator, server_config(args))
+    url = service.start()
+    info = model.runner.info
+    print(f"MegaScope serving {info.name} ({info.num_layers} layers, hidden {info.hidden_size}, "
+          f"tp={info.tp} pp={info.pp})\n  open {url}", flush=True)
+    try:
+        service.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        coordinator.send("exit")
+        service.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2
