@@ -1,0 +1,31 @@
+"""TP=2 x PP=2 captures (gathered over TP, routed from both pipeline stages to rank 0) equal the
+one-rank captures, with and without perturbations."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from launch import python, torchrun
+
+WORKER = Path(__file__).parent / "workers" / "capture_worker.py"
+
+
+def test_tp2_pp2_captures_match_single_rank(tmp_path):
+    single = python([str(WORKER), "--out", str(tmp_path / "single.pt")], timeout=240)
+    assert single.returncode == 0, single.stderr[-3000:]
+    parallel = torchrun(WORKER, ["--tp", "2", "--pp", "2", "--out", str(tmp_path / "tp2pp2.pt")], nproc=4, timeout=300)
+    assert parallel.returncode == 0, parallel.stderr[-3000:]
+    want = torch.load(tmp_path / "single.pt")
+    got = torch.load(tmp_path / "tp2pp2.pt")
+    for name in ("clean", "perturbed"):
+        assert got[name]["texts"] == want[name]["texts"], name
+        assert len(got[name]["arrays"]) == len(want[name]["arrays"]) == 3
+        for step, (g, w) in enumerate(zip(got[name]["arrays"], want[name]["arrays"])):
+            assert set(g) == set(w) == {"qkv", "attention", "fc1", "fc2", "layer", "lens_ids", "lens_probs"}
+            for kind in w:
+                # float16 on the wire; the layouts differ only by float summation order
+                torch.testing.assert_close(g[kind].float(), w[kind].float(), rtol=2e-3, atol=2e-3,
+                                           msg=f"{name} step {step} {kind}")
+    assert got["clean"]["texts"] != got["perturbed"]["texts"] or not torch.equal(
+        got["clean"]["arrays"][0]["layer"], got["perturbed"]["arrays"][0]["layer"])
