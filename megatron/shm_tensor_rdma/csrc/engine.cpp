@@ -202,7 +202,16 @@ bool Engine::spin_until(Ready ready, Clock::time_point deadline) {
         break;
       }
     }
-    if (shm_->progress_once()) {
+    // While waiting, the caller works: it drains the inbox and copies outgoing chunks, so on
+    // few cores it adds to the copy threads instead of competing with them.
+    std::shared_ptr<SendJob> job;
+    uint64_t offset = 0, bytes = 0;
+    bool worked = shm_->progress_once();
+    if (!worked && take_chunk(false, &job, &offset, &bytes)) {
+      run_chunk(job, offset, bytes);
+      worked = true;
+    }
+    if (worked) {
       until = std::min(deadline, Clock::now() + spin);  // traffic is flowing: keep going
       continue;
     }
@@ -309,30 +318,35 @@ void Engine::enqueue_send_job(std::shared_ptr<SendJob> job) {
   send_cv_.notify_one();
 }
 
-void Engine::send_loop() {
-  for (;;) {
-    std::shared_ptr<SendJob> job;
-    uint64_t offset = 0, bytes = 0;
-    {
-      std::unique_lock<std::mutex> lk(send_mu_);
-      send_cv_.wait(lk, [&] { return send_stop_ || !send_jobs_.empty(); });
-      if (send_stop_) return;
-      job = send_jobs_.front();
-      send_jobs_.pop_front();
-      // Round-robin over transfers, one chunk per turn: a later, smaller transfer finishes
-      // without waiting for an earlier large one, and idle threads pick up the next chunk.
-      offset = job->next_offset;
-      bytes = std::min(job->chunk, job->req->nbytes - offset);
-      job->next_offset += bytes;
-      if (job->next_offset < job->req->nbytes) {
-        send_jobs_.push_back(job);
-        send_cv_.notify_one();
-      }
-    }
-    if (!send_chunk_begin(job->req)) continue;
-    std::string error = job->channel->push_chunk(*job, offset, bytes);
-    send_chunk_end(job->req, error.empty() && !job->req->aborted.load() ? bytes : 0, error);
+bool Engine::take_chunk(bool block, std::shared_ptr<SendJob>* job, uint64_t* offset, uint64_t* bytes) {
+  std::unique_lock<std::mutex> lk(send_mu_);
+  if (block) send_cv_.wait(lk, [&] { return send_stop_ || !send_jobs_.empty(); });
+  if (send_stop_ || send_jobs_.empty()) return false;
+  *job = send_jobs_.front();
+  send_jobs_.pop_front();
+  // Round-robin over transfers, one chunk per turn: a later, smaller transfer finishes
+  // without waiting for an earlier large one, and idle threads pick up the next chunk.
+  auto& j = **job;
+  *offset = j.next_offset;
+  *bytes = std::min(j.chunk, j.req->nbytes - j.next_offset);
+  j.next_offset += *bytes;
+  if (j.next_offset < j.req->nbytes) {
+    send_jobs_.push_back(*job);
+    send_cv_.notify_one();
   }
+  return true;
+}
+
+void Engine::run_chunk(const std::shared_ptr<SendJob>& job, uint64_t offset, uint64_t bytes) {
+  if (!send_chunk_begin(job->req)) return;
+  std::string error = job->channel->push_chunk(*job, offset, bytes);
+  send_chunk_end(job->req, error.empty() && !job->req->aborted.load() ? bytes : 0, error);
+}
+
+void Engine::send_loop() {
+  std::shared_ptr<SendJob> job;
+  uint64_t offset = 0, bytes = 0;
+  while (take_chunk(true, &job, &offset, &bytes)) run_chunk(job, offset, bytes);
 }
 
 void Engine::monitor_loop() {

@@ -115,6 +115,8 @@ class Engine : public EngineSink {
   // ----
   void monitor_loop();
   void send_loop();
+  bool take_chunk(bool block, std::shared_ptr<SendJob>* job, uint64_t* offset, uint64_t* bytes);
+  void run_chunk(const std::shared_ptr<SendJob>& job, uint64_t offset, uint64_t bytes);
   // Spins up to spin_us, driving the shared-memory inbox from the calling thread, until
   // `ready()` (checked under mu_) holds. Saves two thread wake-ups per message when the
   // answer comes quickly, which is what small-message latency is made of.
