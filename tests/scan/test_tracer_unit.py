@@ -1,0 +1,98 @@
+"""The tracer in one process: which iterations are traced, what a window holds, sequence numbers
+counted outside windows, megatron-core's bound aliases of collectives wrapped, and the writer."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launch import free_port
+from megatron.scan.timers import HostTimer
+from megatron.scan.trace_format import ClockSkew, TraceWriter, header_fields, read_rank_file
+from megatron.scan.tracer import Tracer, WindowSchedule
+
+
+@pytest.mark.parametrize("interval, continuous, traced, ends", [
+    (5, 2, [0, 1, 5, 6, 10], [1, 6]),
+    (1, 1, [0, 1, 2, 3], list(range(8))),
+    (4, 4, [0, 1, 2, 3, 4], [3, 7]),
+])
+def test_window_schedule(interval, continuous, traced, ends):
+    schedule = WindowSchedule(interval, continuous)
+    assert [i for i in range(11) if schedule.is_traced(i)][:len(traced)] == traced
+    assert [i for i in range(8) if schedule.is_window_end(i)] == ends
+
+
+@pytest.fixture
+def world(tmp_path):
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def make_tracer(path, schedule=WindowSchedule(2, 1), skew=None) -> Tracer:
+    header = header_fields(rank=0, world_size=1, run_id="unit", coordinates={"dp": 0, "pp": 0, "tp": 0},
+                           sizes={"dp": 1, "pp": 1, "tp": 1})
+    return Tracer(writer=TraceWriter(path, header, skew=skew), timer=HostTimer(), schedule=schedule)
+
+
+def test_window_contents_and_sequence_numbers(world, tmp_path):
+    from megatron.core.tensor_parallel import mappings
+
+    path = tmp_path / "rank0.json"
+    tracer = make_tracer(path)
+    tracer.collectives.install()
+    try:
+        assert hasattr(mappings.dist_all_gather_func, "__megascan_original__")
+        group = dist.new_group([0], group_desc="UNIT_GROUP")
+        for iteration in range(4):
+            tracer.begin_iteration(iteration)
+            with tracer.span("iteration", iteration=iteration):
+                with tracer.span("forward", chunk=0, microbatch=3):
+                    dist.all_reduce(torch.ones(8), group=group)
+                    mappings.dist_all_gather_func(torch.zeros(4), torch.ones(4), group=group)
+                with tracer.span("send", peer=1, bytes=64, chunk=0, microbatch=3, direction="B"):
+                    pass
+            tracer.end_iteration(iteration, {"iteration_time": 0.1, "lm loss": 2.0})
+        tracer.close({"reason": "test"})
+    finally:
+        tracer.collectives.uninstall()
+    assert not hasattr(dist.all_reduce, "__megascan_original__")
+    f = read_rank_file(path)
+    assert f.ended and [w["iterations"] for w in f.windows] == [[0, 0], [2, 2]]
+    names = [f.names[i] for i in f.columns["name"]]
+    assert names.count("all_reduce") == 2 and names.count("all_gather_into_tensor") == 2
+    rows = [i for i, n in enumerate(names) if n in ("all_reduce", "all_gather_into_tensor")]
+    # Counted in untraced iteration 1 too: iteration 2's calls are numbers 4 and 5 of the group.
+    assert [int(f.columns["seq"][i]) for i in rows] == [0, 1, 4, 5]
+    assert {int(f.columns["microbatch"][i]) for i in rows} == {3}  # context of the enclosing forward
+    assert f.groups[f.columns["group"][rows[0]]]["desc"] == "UNIT_GROUP"
+    assert int(f.columns["bytes"][rows[0]]) == 32 and f.names[f.columns["dtype"][rows[0]]] == "float32"
+    send = names.index("send")
+    assert int(f.columns["peer"][send]) == 1 and int(f.columns["flags"][send]) & 1
+    assert f.windows[0]["metrics"] == [{"iteration": 0, "iteration_time": 0.1, "loss": 2.0}]
+    # Spans nest: forward inside iteration.
+    i, fw = names.index("iteration"), names.index("forward")
+    assert f.columns["start_ns"][i] <= f.columns["start_ns"][fw] <= f.columns["end_ns"][fw] <= f.columns["end_ns"][i]
+
+
+def test_untraced_iterations_record_nothing(tmp_path):
+    tracer = make_tracer(tmp_path / "r.json", WindowSchedule(3, 1))
+    tracer.begin_iteration(1)
+    assert not tracer.active
+    with tracer.span("forward", chunk=0, microbatch=0):
+        pass
+    assert tracer.events == []
+    tracer.close({})
+
+
+def test_clock_skew_shifts_wall_and_stretches_monotonic(tmp_path):
+    skew = ClockSkew(offset_ns=5_000_000, drift=1e-3, reference_ns=0)
+    assert skew.wall(10) == 5_000_010 and skew.mono(1_000_000) == 1_001_000
+    tracer = make_tracer(tmp_path / "r.json", WindowSchedule(1, 1), skew=skew)
+    tracer.close({})
+    header = json.loads((tmp_path / "r.json").read_text().splitlines()[0])
+    assert header["clock_reference"]["wall_ns"] > 0
