@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("aiohttp", reason="the MegaScope server needs aiohttp (pip install aiohttp)")
+
 from megatron.scope.server import WEB_DIST, ServerConfig
 from megatron.scope.service import ScopeService
 

@@ -6,8 +6,9 @@ import asyncio
 import json
 import threading
 
-import aiohttp
 import pytest
+
+aiohttp = pytest.importorskip("aiohttp", reason="the MegaScope server needs aiohttp (pip install aiohttp)")
 
 from megatron.scope.codec import decode_frame
 from megatron.scope.server import ServerConfig
