@@ -73,7 +73,7 @@ def aggregate(directory: str | os.PathLike, output: str | os.PathLike | None = N
     timings["match"] = time.perf_counter() - mark
     mark = time.perf_counter()
     if do_align:
-        alignment = align(trace, collectives, allow_drift=allow_drift)
+        alignment = align(trace, collectives, p2p, allow_drift=allow_drift)
     else:
         alignment = Alignment(ranks={}, model={}, anchors=0, unanchored=sorted(trace.ranks))
     timings["align"] = time.perf_counter() - mark

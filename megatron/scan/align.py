@@ -2,7 +2,8 @@
 pair); what remains is each host's wall-clock error, and its monotonic drift since the window
 start. The anchor: all participants of a synchronous collective finish it together. For every
 (rank, window) an offset (and, where it pays, a drift) is fitted jointly over all anchors by
-robust (Huber, reweighted) least squares, with the per-instance finish time eliminated."""
+robust (Huber, reweighted) least squares, with the per-instance finish time eliminated; P2P
+messages whose receiver was waiting add 2-member anchors between pipeline stages."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron.scan.load import GlobalTrace
-from megatron.scan.match import Collectives
+from megatron.scan.match import Collectives, P2PLinks
 
 _HUBER_K = 1.5
 _IRLS_STEPS = 8
@@ -36,10 +37,12 @@ class Alignment:
     ranks: dict[int, RankAlignment]
     model: dict[str, int]  # "offset" / "offset+drift" -> number of (window) components using it
     anchors: int
-    unanchored: list[int]  # ranks with no collective anchor at all (kept on their wall clock)
+    unanchored: list[int]  # ranks with no anchor at all (kept on their wall clock)
+    p2p_anchors: int = 0  # P2P messages used as anchors (receiver was waiting)
 
     def as_dict(self) -> dict:
-        return {"anchors": self.anchors, "models": self.model, "unanchored_ranks": self.unanchored,
+        return {"anchors": self.anchors, "p2p_anchors": self.p2p_anchors, "models": self.model,
+                "unanchored_ranks": self.unanchored,
                 "ranks": [self.ranks[r].as_dict() for r in sorted(self.ranks)]}
 
 
@@ -72,9 +75,11 @@ class _Problem:
     """Anchors of one connected component: observations (node, instance, d = finish time in µs
     relative to the instance's mean, tau = seconds since the node's window start)."""
 
-    def __init__(self, node: np.ndarray, instance: np.ndarray, d: np.ndarray, tau: np.ndarray, num_nodes: int):
+    def __init__(self, node: np.ndarray, instance: np.ndarray, d: np.ndarray, tau: np.ndarray, num_nodes: int,
+                 prior: np.ndarray):
         order = np.lexsort((node, instance))
         self.node, self.instance, self.d, self.tau = node[order], instance[order], d[order], tau[order]
+        self.prior = prior[order]
         self.num_nodes = num_nodes
         _, self.inst_index, self.sizes = np.unique(self.instance, return_inverse=True, return_counts=True)
         self.starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
@@ -134,14 +139,14 @@ class _Problem:
     def fit(self, drift: bool, sigma: float | None = None) -> tuple[np.ndarray, np.ndarray, float]:
         """IRLS with Huber weights; returns (unknowns, residuals, robust scale in µs). A given
         `sigma` fixes the scale (so two models are judged by the same yardstick)."""
-        weights = np.ones(len(self.d))
+        weights = self.prior.copy()
         scale = sigma or 1.0
         for _ in range(_IRLS_STEPS):
             x = self.solve(weights, drift)
             r = self.residuals(x, weights, drift)
             if sigma is None:
                 scale = max(1.4826 * float(np.median(np.abs(r))), 1.0)  # µs; below 1 µs is clock noise
-            weights = np.minimum(1.0, _HUBER_K * scale / np.maximum(np.abs(r), 1e-12))
+            weights = self.prior * np.minimum(1.0, _HUBER_K * scale / np.maximum(np.abs(r), 1e-12))
         return x, r, scale
 
 
@@ -151,73 +156,127 @@ def huber_loss(r: np.ndarray, scale: float) -> float:
     return float(np.sum(np.where(a <= limit, 0.5 * a * a, limit * (a - 0.5 * limit))))
 
 
-def align(trace: GlobalTrace, collectives: Collectives, *, allow_drift: bool = True) -> Alignment:
-    """Estimate per-(rank, window) corrections and apply them to trace.columns start/end in place."""
+def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = None, *,
+          allow_drift: bool = True) -> Alignment:
+    """Estimate per-(rank, window) corrections and apply them to trace.columns start/end in place.
+
+    Pass 1 uses collective anchors. Pass 2 adds P2P messages whose receiver was already waiting
+    when (by pass 1's clocks) the send was posted: such a receive finishes as the message lands,
+    so send end and receive end are a 2-member anchor. Messages flow both ways between stages, so
+    the transfer latency cancels; these anchors tie pipeline stages together far more densely than
+    the one or two collectives per iteration that span stages."""
     c = trace.columns
     anchor_instances = collectives.synchronous & ~collectives.op_mismatch & (collectives.members >= 2)
     rows = np.flatnonzero(collectives.row_instance >= 0)
     rows = rows[anchor_instances[collectives.row_instance[rows]]]
-    report = {rank: RankAlignment(rank=rank) for rank in trace.ranks}
-    models = {"offset": 0, "offset+drift": 0}
-    if len(rows):
-        windows = int(c["window"].max()) + 1
-        node_key = c["rank"][rows].astype(np.int64) * windows + c["window"][rows]
-        node_keys, node = np.unique(node_key, return_inverse=True)
-        instance = collectives.row_instance[rows]
-        end = c["end"][rows]
-        window_start = {(r, w): meta["clock"]["start"]["wall_ns"]
-                        for r, metas in trace.windows.items() for w, meta in enumerate(metas)}
-        node_start = np.array([window_start[(int(k // windows), int(k % windows))] for k in node_keys], dtype=np.int64)
-        # Center each instance in integer ns first: absolute wall ns do not fit a float's precision.
-        _, inst_index = np.unique(instance, return_inverse=True)
-        inst_min = np.full(inst_index.max() + 1, np.iinfo(np.int64).max, dtype=np.int64)
-        np.minimum.at(inst_min, inst_index, end)
-        d_us = (end - inst_min[inst_index]) / 1e3
-        tau_s = (end - node_start[node]) / 1e9
-        component = _components(node, instance, len(node_keys))
-        for comp in np.unique(component):
-            comp_nodes = np.flatnonzero(component == comp)
-            local = np.full(len(node_keys), -1)
-            local[comp_nodes] = np.arange(len(comp_nodes))
-            mask = component[node] == comp
-            problem = _Problem(local[node[mask]], instance[mask], d_us[mask], tau_s[mask], len(comp_nodes))
-            x, r, sigma = problem.fit(drift=False)
-            use_drift = False
-            if allow_drift and len(comp_nodes) > 1:
-                # Drift is kept only if it lowers the robust loss far more than its extra unknowns
-                # would by chance (an F-like test with both fits on the offset fit's scale).
-                x1, r1, _ = problem.fit(drift=True, sigma=sigma)
-                loss0, loss1 = huber_loss(r, sigma), huber_loss(r1, sigma)
-                dof = len(problem.d) - len(problem.sizes) - 2 * len(comp_nodes)
-                if dof > 0 and loss1 > 0 and (loss0 - loss1) / len(comp_nodes) / (loss1 / dof) > _F_THRESHOLD:
-                    x, r, use_drift = x1, r1, True
-            models["offset+drift" if use_drift else "offset"] += 1
-            # Robust gauge: the median clock of the component is taken as right, so one skewed host
-            # is corrected alone instead of shifting every healthy rank by its share of the mean.
-            n = len(comp_nodes)
-            x = x.copy()
-            x[:n] -= np.median(x[:n])
-            if use_drift:
-                x[n:] -= np.median(x[n:])
-            squares = np.bincount(problem.node, weights=r * r, minlength=len(comp_nodes))
-            counts = np.bincount(problem.node, minlength=len(comp_nodes))
-            for i, global_node in enumerate(comp_nodes):
-                rank, window = int(node_keys[global_node] // windows), int(node_keys[global_node] % windows)
-                entry = report[rank]
-                entry.offset_us[window] = float(x[i])
-                entry.drift_ppm[window] = float(x[i + len(comp_nodes)]) if use_drift else 0.0
-                previous = 0.0 if entry.anchors == 0 else entry.residual_us ** 2 * entry.anchors
-                entry.anchors += int(counts[i])
-                entry.residual_us = float(np.sqrt((previous + squares[i]) / max(1, entry.anchors)))
+    instance = collectives.row_instance[rows]
+    report, models = _fit(trace, rows, instance, c["end"][rows], allow_drift)
+    p2p_anchors = 0
+    # Transfer latency is one-sided in an anchor; the per-link balancing cancels it on average
+    # over the window, but not along time, where forward messages cluster early and backward ones
+    # late, which a drift fit would take for drift. So P2P anchors refine offset-only fits, and a
+    # component whose collectives already show drift keeps its collectives-only fit.
+    if p2p is not None and len(p2p) and not models["offset+drift"]:
+        send, recv = p2p.send_rows, p2p.recv_rows
+        send_end = c["end"][send] - _correction_ns(trace, report, send, c["end"][send])
+        recv_start = c["start"][recv] - _correction_ns(trace, report, recv, c["start"][recv])
+        waited = recv_start < send_end
+        weight = _balanced_link_weights(c["rank"][send], c["rank"][recv], c["window"][send]) * waited
+        used = weight > 0
+        if used.any():
+            ids = (int(instance.max()) + 1 if len(instance) else 0) + np.arange(int(used.sum()))
+            prior = np.concatenate([np.ones(len(rows)), weight[used], weight[used]])
+            rows = np.concatenate([rows, send[used], recv[used]])
+            instance = np.concatenate([instance, ids, ids])
+            report, models = _fit(trace, rows, instance, c["end"][rows], False, prior)
+            p2p_anchors = int(used.sum())
     _apply(trace, report)
     unanchored = sorted(rank for rank, entry in report.items() if entry.anchors == 0)
-    return Alignment(ranks=report, model=models, anchors=int(len(rows)), unanchored=unanchored)
+    return Alignment(ranks=report, model=models, anchors=int(len(rows)), unanchored=unanchored,
+                     p2p_anchors=p2p_anchors)
 
 
-def _apply(trace: GlobalTrace, report: dict[int, RankAlignment]) -> None:
+def _balanced_link_weights(src: np.ndarray, dst: np.ndarray, window: np.ndarray) -> np.ndarray:
+    """Weights giving both directions of a link (per window) the same total, so the unknown
+    transfer latency cancels between them; a link used in one direction only gets weight 0."""
+    low, high = np.minimum(src, dst).astype(np.int64), np.maximum(src, dst).astype(np.int64)
+    forward = (src < dst).astype(np.int64)
+    key = np.stack([low, high, window.astype(np.int64), forward], axis=1)
+    if not len(key):
+        return np.zeros(0)
+    _, direction_id, direction_count = np.unique(key, axis=0, return_inverse=True, return_counts=True)
+    _, link_id = np.unique(key[:, :3], axis=0, return_inverse=True)
+    direction_id, link_id = direction_id.reshape(-1), link_id.reshape(-1)
+    directions = np.bincount(link_id, weights=np.ones(len(key)) / direction_count[direction_id])
+    weight = 1.0 / direction_count[direction_id]
+    weight[directions[link_id] < 1.5] = 0.0
+    # Scale so that a link's anchors together weigh as much as its messages would unweighted.
+    link_total = np.bincount(link_id)
+    return weight * link_total[link_id] / 2.0
+
+
+def _fit(trace: GlobalTrace, rows: np.ndarray, instance: np.ndarray, end: np.ndarray, allow_drift: bool,
+         prior: np.ndarray | None = None) -> tuple[dict[int, RankAlignment], dict[str, int]]:
+    """Fit every connected component of (rank, window) nodes linked by the anchors given as event
+    rows, their anchor instance ids and their finish times (wall ns)."""
     c = trace.columns
-    if not len(trace):
-        return
+    report = {rank: RankAlignment(rank=rank) for rank in trace.ranks}
+    models = {"offset": 0, "offset+drift": 0}
+    if not len(rows):
+        return report, models
+    prior = np.ones(len(rows)) if prior is None else prior
+    windows = int(c["window"].max()) + 1
+    node_key = c["rank"][rows].astype(np.int64) * windows + c["window"][rows]
+    node_keys, node = np.unique(node_key, return_inverse=True)
+    window_start = {(r, w): meta["clock"]["start"]["wall_ns"]
+                    for r, metas in trace.windows.items() for w, meta in enumerate(metas)}
+    node_start = np.array([window_start[(int(k // windows), int(k % windows))] for k in node_keys], dtype=np.int64)
+    # Center each instance in integer ns first: absolute wall ns do not fit a float's precision.
+    _, inst_index = np.unique(instance, return_inverse=True)
+    inst_min = np.full(inst_index.max() + 1, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(inst_min, inst_index, end)
+    d_us = (end - inst_min[inst_index]) / 1e3
+    tau_s = (end - node_start[node]) / 1e9
+    component = _components(node, instance, len(node_keys))
+    for comp in np.unique(component):
+        comp_nodes = np.flatnonzero(component == comp)
+        n = len(comp_nodes)
+        local = np.full(len(node_keys), -1)
+        local[comp_nodes] = np.arange(n)
+        mask = component[node] == comp
+        problem = _Problem(local[node[mask]], instance[mask], d_us[mask], tau_s[mask], n, prior[mask])
+        x, r, sigma = problem.fit(drift=False)
+        use_drift = False
+        if allow_drift and n > 1:
+            # Drift is kept only if it lowers the robust loss far more than its extra unknowns
+            # would by chance (an F-like test with both fits on the offset fit's scale).
+            x1, r1, _ = problem.fit(drift=True, sigma=sigma)
+            loss0, loss1 = huber_loss(r, sigma), huber_loss(r1, sigma)
+            dof = len(problem.d) - len(problem.sizes) - 2 * n
+            if dof > 0 and loss1 > 0 and (loss0 - loss1) / n / (loss1 / dof) > _F_THRESHOLD:
+                x, r, use_drift = x1, r1, True
+        models["offset+drift" if use_drift else "offset"] += 1
+        # Robust gauge: the median clock of the component is taken as right, so one skewed host
+        # is corrected alone instead of shifting every healthy rank by its share of the mean.
+        x = x.copy()
+        x[:n] -= np.median(x[:n])
+        if use_drift:
+            x[n:] -= np.median(x[n:])
+        squares = np.bincount(problem.node, weights=r * r, minlength=n)
+        counts = np.bincount(problem.node, minlength=n)
+        for i, global_node in enumerate(comp_nodes):
+            rank, window = int(node_keys[global_node] // windows), int(node_keys[global_node] % windows)
+            entry = report[rank]
+            entry.offset_us[window] = float(x[i])
+            entry.drift_ppm[window] = float(x[i + n]) if use_drift else 0.0
+            previous = 0.0 if entry.anchors == 0 else entry.residual_us ** 2 * entry.anchors
+            entry.anchors += int(counts[i])
+            entry.residual_us = float(np.sqrt((previous + squares[i]) / max(1, entry.anchors)))
+    return report, models
+
+
+def _tables(trace: GlobalTrace, report: dict[int, RankAlignment]):
+    c = trace.columns
     ranks = max(trace.ranks) + 1
     windows = int(c["window"].max()) + 1
     offset = np.zeros((ranks, windows))
@@ -232,7 +291,22 @@ def _apply(trace: GlobalTrace, report: dict[int, RankAlignment]) -> None:
             for window, value in entry.offset_us.items():
                 offset[rank, window] = value
                 drift[rank, window] = entry.drift_ppm.get(window, 0.0)
-    rank, window = c["rank"], c["window"]
+    return offset, drift, base
+
+
+def _correction_ns(trace: GlobalTrace, report: dict[int, RankAlignment], rows: np.ndarray,
+                   times: np.ndarray) -> np.ndarray:
+    """What to subtract from `times` (of event `rows`) to put them on the aligned clock."""
+    offset, drift, base = _tables(trace, report)
+    rank, window = trace.columns["rank"][rows], trace.columns["window"][rows]
+    tau_s = (times - base[rank, window]) / 1e9
+    return np.round((offset[rank, window] + drift[rank, window] * tau_s) * 1e3).astype(np.int64)
+
+
+def _apply(trace: GlobalTrace, report: dict[int, RankAlignment]) -> None:
+    c = trace.columns
+    if not len(trace):
+        return
+    every = np.arange(len(trace))
     for column in ("start", "end"):
-        tau_s = (c[column] - base[rank, window]) / 1e9
-        c[column] -= np.round((offset[rank, window] + drift[rank, window] * tau_s) * 1e3).astype(np.int64)
+        c[column] -= _correction_ns(trace, report, every, c[column])
