@@ -45,14 +45,13 @@ class Coordinator:
             dist.broadcast_object_list([("forward", kwargs)], src=0)
         return self.runner.forward(**kwargs)
 
-    def send(self, command: str, payload: Any = None) -> Any:
+    def send(self, command: str, payload: Any = None) -> None:
         """A non-forward command ("exit", "resume", "idle", or one a caller handles)."""
         if self.distributed:
-            box = [(command, payload)]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list([(command, payload)], src=0)
 
-    def follow(self, handlers: dict[str, Callable[[Any], None]] | None = None) -> str:
-        """Obey rank 0 until it sends a command not handled here; return that command."""
+    def follow(self, handlers: dict[str, Callable[[Any], None]] | None = None) -> tuple[str, Any]:
+        """Obey rank 0 until it sends a command not handled here; return it with its payload."""
         while True:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0)
@@ -64,7 +63,7 @@ class Coordinator:
             elif handlers and command in handlers:
                 handlers[command](payload)
             else:
-                return command
+                return command, payload
 
 
 class Generator:

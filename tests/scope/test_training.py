@@ -1,0 +1,103 @@
+"""Training mode: pretrain_gpt.py --training-ws-port on two pipeline stages; the UI steps it
+while paused, receives loss, per-layer gradient norms and the sample's internals, generates
+while paused, perturbs training, then lets it run to the end."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp", reason="the MegaScope server needs aiohttp (pip install aiohttp)")
+
+from launch import ROOT, env, free_port  # noqa: E402
+from megatron.scope.codec import decode_frame  # noqa: E402
+
+ARGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--train-iters", "4", "--lr", "1e-3", "--device", "cpu", "--mock-data",
+        "--tokenizer-type", "ByteLevelTokenizer", "--pipeline-model-parallel-size", "2",
+        "--training-ws-port", "0", "--ws-start-paused", "--ws-token", "train-token"]
+
+
+def _launch():
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), "pretrain_gpt.py", *ARGS]
+    return subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_url(process, timeout: float = 150) -> str:
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        match = re.search(r"open (http://\S+)", line)
+        if match:
+            return match.group(1)
+    raise AssertionError("no MegaScope URL printed:\n" + "".join(seen[-40:]))
+
+
+async def _next(ws, wanted: set[str], timeout: float = 60):
+    while True:
+        message = await asyncio.wait_for(ws.receive(), timeout)
+        if message.type == aiohttp.WSMsgType.BINARY:
+            header, arrays = decode_frame(message.data)
+            if "step" in wanted:
+                return header, arrays
+            continue
+        data = json.loads(message.data)
+        if data["type"] in wanted:
+            return data
+
+
+def test_training_mode_pause_step_generate_and_finish():
+    process = _launch()
+    try:
+        url = _wait_for_url(process)
+        port = int(re.search(r":(\d+)/", url).group(1))
+
+        async def drive():
+            async with aiohttp.ClientSession() as session:
+                async with session.ws_connect(f"ws://127.0.0.1:{port}/ws?token=train-token") as ws:
+                    hello = await _next(ws, {"hello"})
+                    assert hello["mode"] == "train" and hello["training"]["paused"] is True
+                    assert hello["model"]["pp"] == 2
+                    await ws.send_str(json.dumps({"type": "train", "action": "step", "sample": "watch me"}))
+                    metrics = await _next(ws, {"train_metrics"})
+                    point = metrics["point"]
+                    assert point["iteration"] == 1 and point["loss"] > 0
+                    assert len(point["layer_grad_norms"]) == 4 and all(n > 0 for n in point["layer_grad_norms"])
+                    header, arrays = await _next(ws, {"step"})
+                    assert header["iteration"] == 1 and arrays["layer"].shape[:3] == (4, 1, len("watch me"))
+                    assert arrays["attention"].shape == (4, 1, 4, 8, 8)
+                    # generation while paused runs through both pipeline stages
+                    await ws.send_str(json.dumps({"type": "generate", "id": 4, "prompts": ["ab"], "max_new_tokens": 2,
+                                                  "capture": ["layer"]}))
+                    done = await _next(ws, {"done"})
+                    while done["request"] != 4:
+                        done = await _next(ws, {"done"})
+                    assert done["steps"] == 2
+                    # a perturbed training step: gradients still flow
+                    await ws.send_str(json.dumps({"type": "train", "action": "step", "perturbations": [
+                        {"kind": "calculation", "type": "gaussian", "intensity": 0.5, "layers": [1]}]}))
+                    metrics = await _next(ws, {"train_metrics"})
+                    assert metrics["point"]["iteration"] == 2 and all(n > 0 for n in metrics["point"]["layer_grad_norms"])
+                    await ws.send_str(json.dumps({"type": "train", "action": "start", "perturbations": []}))
+                    last = metrics
+                    while last["point"]["iteration"] < 4:
+                        last = await _next(ws, {"train_metrics"})
+        asyncio.run(asyncio.wait_for(drive(), 240))
+        output, _ = process.communicate(timeout=120)
+        assert process.returncode == 0, output[-3000:]
+        assert re.search(r"iteration\s+4/\s+4 \|", output), output[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
