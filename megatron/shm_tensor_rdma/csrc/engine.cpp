@@ -344,12 +344,33 @@ void Engine::run_chunk(const std::shared_ptr<SendJob>& job, uint64_t offset, uin
 }
 
 void Engine::send_loop() {
-  std::shared_ptr<SendJob> job;
-  uint64_t offset = 0, bytes = 0;
-  while (take_chunk(true, &job, &offset, &bytes)) run_chunk(job, offset, bytes);
+  try {
+    std::shared_ptr<SendJob> job;
+    uint64_t offset = 0, bytes = 0;
+    while (take_chunk(true, &job, &offset, &bytes)) run_chunk(job, offset, bytes);
+  } catch (const std::exception& e) {
+    on_internal_error("send thread", e.what());
+  }
+}
+
+void Engine::on_internal_error(const std::string& where, const std::string& what) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (broken_.empty()) broken_ = "internal error in the " + where + " of rank " + std::to_string(cfg_.rank) + ": " + what;
+  std::vector<std::shared_ptr<Request>> pending;
+  for (auto& kv : requests_)
+    if (kv.second->state == ReqState::Pending) pending.push_back(kv.second);
+  for (auto& r : pending) fail(r, ErrorKind::Internal, describe(*r) + " failed: " + broken_);
 }
 
 void Engine::monitor_loop() {
+  try {
+    monitor_body();
+  } catch (const std::exception& e) {
+    on_internal_error("monitor thread", e.what());
+  }
+}
+
+void Engine::monitor_body() {
   auto next_deadline_scan = Clock::now();
   std::unique_lock<std::mutex> mlk(monitor_mu_);
   while (!monitor_stop_) {

@@ -84,6 +84,7 @@ class Engine : public EngineSink {
   void send_chunk_end(const std::shared_ptr<Request>& req, uint64_t bytes, const std::string& error) override;
   void on_peer_gone(int peer, bool graceful, const std::string& reason) override;
   void enqueue_send_job(std::shared_ptr<SendJob> job) override;
+  void on_internal_error(const std::string& where, const std::string& what) override;
 
  private:
   struct Arrival {
@@ -114,6 +115,7 @@ class Engine : public EngineSink {
   Finished take(uint64_t id);
   // ----
   void monitor_loop();
+  void monitor_body();
   void send_loop();
   bool take_chunk(bool block, std::shared_ptr<SendJob>* job, uint64_t* offset, uint64_t* bytes);
   void run_chunk(const std::shared_ptr<SendJob>& job, uint64_t offset, uint64_t bytes);
@@ -143,6 +145,7 @@ class Engine : public EngineSink {
   uint64_t next_id_ = 1;
   std::atomic<uint64_t> publications_{0};  // bumped on every publish, read without mu_
   bool closing_ = false;
+  std::string broken_;  // set by an internal error: the endpoint refuses new transfers
 
   std::mutex send_mu_;
   std::condition_variable send_cv_;

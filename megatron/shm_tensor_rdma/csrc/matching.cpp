@@ -42,6 +42,7 @@ void Engine::check_ready(const char* op, int peer, const char* peer_arg) const {
   if (peer < 0 || peer >= cfg_.world_size)
     throw ArgumentError(std::string(op) + ": " + peer_arg + " must be in [0, " + std::to_string(cfg_.world_size) +
                         "), got " + std::to_string(peer));
+  if (!broken_.empty()) throw TransportError(std::string(op) + ": " + broken_);
   if (peer == cfg_.rank)
     throw ArgumentError(std::string(op) + ": " + peer_arg + "=" + std::to_string(peer) +
                         " is this endpoint's own rank; sending to oneself is not supported");

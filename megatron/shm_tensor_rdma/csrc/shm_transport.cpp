@@ -130,7 +130,9 @@ std::string ShmChannel::push_chunk(SendJob& job, uint64_t offset, uint64_t bytes
   return "";
 }
 
-bool ShmChannel::inbound_pending() { return in_ctrl_.has_published() || in_bulk_.has_published(); }
+bool ShmChannel::inbound_pending() {
+  return consuming_.load(std::memory_order_seq_cst) > 0 || in_ctrl_.has_published() || in_bulk_.has_published();
+}
 
 void ShmChannel::peer_gone() {
   gone_.store(true);
@@ -141,6 +143,7 @@ void ShmChannel::peer_gone() {
 bool ShmChannel::poll_ctrl() {
   std::unique_lock<std::mutex> lk(consume_mu_, std::try_to_lock);
   if (!lk.owns_lock()) return false;
+  consuming_.fetch_add(1, std::memory_order_seq_cst);
   bool any = false;
   // A small batch per turn keeps the lock hand-over cost low without starving bulk data.
   for (int i = 0; i < 16; ++i) {
@@ -153,12 +156,17 @@ bool ShmChannel::poll_ctrl() {
     in_ctrl_.release(pos);
     any = true;
   }
+  consuming_.fetch_sub(1, std::memory_order_seq_cst);
   return any;
 }
 
 bool ShmChannel::poll_bulk() {
   uint32_t pos = 0;
-  if (!in_bulk_.try_take(&pos)) return false;
+  consuming_.fetch_add(1, std::memory_order_seq_cst);
+  if (!in_bulk_.try_take(&pos)) {
+    consuming_.fetch_sub(1, std::memory_order_seq_cst);
+    return false;
+  }
   const char* slot = in_bulk_.payload(pos);
   CtrlHeader h;
   std::memcpy(&h, slot, sizeof(h));
@@ -166,6 +174,7 @@ bool ShmChannel::poll_bulk() {
   if (lease.dst) std::memcpy(lease.dst, slot + sizeof(h), h.nbytes);
   sink_.data_end(lease, h.nbytes);
   in_bulk_.release(pos);
+  consuming_.fetch_sub(1, std::memory_order_seq_cst);
   return true;
 }
 
@@ -295,6 +304,14 @@ void ShmDomain::end_polling() {
 }
 
 void ShmDomain::recv_loop() {
+  try {
+    recv_body();
+  } catch (const std::exception& e) {
+    sink_.on_internal_error("shared-memory receive thread", e.what());
+  }
+}
+
+void ShmDomain::recv_body() {
   const auto spin = std::chrono::microseconds(options_.spin_us);
   size_t start = 0;
   auto idle_since = Clock::now();

@@ -81,6 +81,9 @@ class ShmChannel : public Channel {
   std::mutex produce_mu_;  // keeps control messages in posting order
   std::deque<std::vector<uint8_t>> queued_;  // control messages that found the ring full
   std::mutex consume_mu_;  // one consumer at a time per control ring, to keep order
+  // Consumers between "about to take a slot" and "done with it": a taken slot is no longer
+  // published, but its message is not delivered yet either.
+  std::atomic<int> consuming_{0};
 };
 
 class ShmDomain {
@@ -109,6 +112,7 @@ class ShmDomain {
 
  private:
   void recv_loop();
+  void recv_body();
 
   EngineSink& sink_;
   ShmOptions options_;

@@ -98,6 +98,19 @@ void TcpLink::peer_gone() {
 }
 
 void TcpLink::writer_loop() {
+  try {
+    writer_body();
+  } catch (const std::exception& e) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      broken_ = true;
+      cv_.notify_all();
+    }
+    sink_.on_internal_error("TCP writer for rank " + std::to_string(peer_), e.what());
+  }
+}
+
+void TcpLink::writer_body() {
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
     cv_.wait(lk, [&] { return stop_writer_ || broken_ || !frames_.empty() || !jobs_.empty(); });
@@ -152,26 +165,12 @@ void TcpLink::writer_loop() {
 }
 
 void TcpLink::reader_loop() {
-  std::vector<uint8_t> payload;
+  std::string problem;
   bool graceful = false;
-  for (;;) {
-    CtrlHeader h;
-    if (!read_full(fd_, &h, sizeof(h))) break;
-    auto type = static_cast<MsgType>(h.type);
-    if (type == MsgType::Bye) {
-      graceful = true;
-      break;
-    }
-    if (type == MsgType::Data) {
-      DataLease lease = sink_.data_begin(peer_, h);
-      bool ok = lease.dst ? read_full(fd_, lease.dst, h.nbytes) : discard(fd_, h.nbytes);
-      sink_.data_end(lease, ok ? h.nbytes : 0);
-      if (!ok) break;
-      continue;
-    }
-    payload.resize(h.payload_bytes);
-    if (h.payload_bytes && !read_full(fd_, payload.data(), h.payload_bytes)) break;
-    sink_.on_ctrl(peer_, h, payload.data());
+  try {
+    graceful = read_frames(&problem);
+  } catch (const std::exception& e) {
+    problem = std::string("internal error in the TCP reader: ") + e.what();
   }
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -183,10 +182,37 @@ void TcpLink::reader_loop() {
   }
   // Closing our sending side tells a departing peer that its goodbye arrived.
   if (graceful) ::shutdown(fd_, SHUT_WR);
+  const std::string who = "rank " + std::to_string(peer_);
   sink_.on_peer_gone(peer_, graceful,
-                     graceful ? "rank " + std::to_string(peer_) + " closed its endpoint"
-                              : "lost the connection to rank " + std::to_string(peer_) +
-                                    " (the process died or the network failed)");
+                     graceful ? who + " closed its endpoint"
+                     : problem.empty() ? "lost the connection to " + who + " (the process died or the network failed)"
+                                       : "connection to " + who + " dropped: " + problem);
+}
+
+bool TcpLink::read_frames(std::string* problem) {
+  std::vector<uint8_t> payload;
+  for (;;) {
+    CtrlHeader h;
+    if (!read_full(fd_, &h, sizeof(h))) return false;
+    auto type = static_cast<MsgType>(h.type);
+    // Control payloads are bounded by the eager limit; anything larger is a corrupt stream
+    // (or a different program on the port), and must not turn into a huge allocation.
+    if (type != MsgType::Data && h.payload_bytes > eager_bytes_ + 65536) {
+      *problem = "protocol error: control frame of " + std::to_string(h.payload_bytes) + " bytes";
+      return false;
+    }
+    if (type == MsgType::Bye) return true;
+    if (type == MsgType::Data) {
+      DataLease lease = sink_.data_begin(peer_, h);
+      bool ok = lease.dst ? read_full(fd_, lease.dst, h.nbytes) : discard(fd_, h.nbytes);
+      sink_.data_end(lease, ok ? h.nbytes : 0);
+      if (!ok) return false;
+      continue;
+    }
+    payload.resize(h.payload_bytes);
+    if (h.payload_bytes && !read_full(fd_, payload.data(), h.payload_bytes)) return false;
+    sink_.on_ctrl(peer_, h, payload.data());
+  }
 }
 
 void TcpLink::close(double grace_s) {

@@ -35,7 +35,9 @@ class TcpLink : public Channel {
 
  private:
   void reader_loop();
+  bool read_frames(std::string* problem);  // true after a goodbye, false on EOF or error
   void writer_loop();
+  void writer_body();
   bool write_frame(const CtrlHeader& h, const void* payload, size_t n);
 
   EngineSink& sink_;

@@ -70,6 +70,8 @@ class EngineSink {
   virtual void on_peer_gone(int peer, bool graceful, const std::string& reason) = 0;
   // Hands a matched send to the engine's send threads (shared-memory transport).
   virtual void enqueue_send_job(std::shared_ptr<SendJob> job) = 0;
+  // A transport thread caught an exception: fail what is in flight rather than abort.
+  virtual void on_internal_error(const std::string& where, const std::string& what) = 0;
 };
 
 // The per-peer transport.

@@ -97,6 +97,7 @@ class VerbsChannel : public Channel {
   void on_recv_landed(uint32_t token, ibv_wc_status status);
   std::string post_receives(int count);
   uint32_t qp_num() const { return qp_->qp_num; }
+  void report_internal_error(const std::string& what) { sink_.on_internal_error("RDMA completion thread", what); }
 
  private:
   VerbsContextImpl& ctx_;
@@ -166,6 +167,7 @@ class VerbsContextImpl : public VerbsContext {
     ctx_ = nullptr;
   }
   void poll_loop();
+  void poll_body();
   void drain_cq();
 
   ibv_context* ctx_;
@@ -411,6 +413,15 @@ void VerbsContextImpl::drain_cq() {
 }
 
 void VerbsContextImpl::poll_loop() {
+  try {
+    poll_body();
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> lk(channels_mu_);
+    for (auto* ch : channels_) ch->report_internal_error(e.what());
+  }
+}
+
+void VerbsContextImpl::poll_body() {
   while (running_.load()) {
     struct pollfd p{events_->fd, POLLIN, 0};
     if (::poll(&p, 1, 50) > 0) {
