@@ -40,6 +40,11 @@ def init_parallel(tp: int, pp: int, seed: int, device: str = "cpu"):
             f"tp({tp}) x pp({pp}) = {tp * pp} != world_size({world}): MegaScope serves one model "
             f"replica; launch with --nproc-per-node {tp * pp}"
         )
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        # A second model in one process (tests, notebooks): same layout, fresh groups and seeds.
+        ps.destroy_model_parallel()
     backend.init_model_parallel(tp, pp, None, seed)
     return backend
 

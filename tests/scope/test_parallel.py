@@ -2,17 +2,23 @@
 one-rank captures, with and without perturbations."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
-from launch import python, torchrun
+from launch import ROOT, env, torchrun
 
 WORKER = Path(__file__).parent / "workers" / "capture_worker.py"
 
 
 def test_tp2_pp2_captures_match_single_rank(tmp_path):
-    single = python([str(WORKER), "--out", str(tmp_path / "single.pt")], timeout=240)
+    # In-process fixtures of this session set MASTER_PORT for their own store; a fresh one-rank
+    # job must pick its own.
+    clean = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    single = subprocess.run([sys.executable, str(WORKER), "--out", str(tmp_path / "single.pt")], cwd=ROOT, env=clean,
+                            capture_output=True, text=True, timeout=240)
     assert single.returncode == 0, single.stderr[-3000:]
     parallel = torchrun(WORKER, ["--tp", "2", "--pp", "2", "--out", str(tmp_path / "tp2pp2.pt")], nproc=4, timeout=300)
     assert parallel.returncode == 0, parallel.stderr[-3000:]

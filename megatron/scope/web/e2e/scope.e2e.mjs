@@ -39,8 +39,12 @@ try {
   await byId("add-prompt").click();
   await byId("prompt-1").fill("Attention please");
   await byId("max-new-tokens").fill("6");
+  const finished = (request) => page.waitForFunction((id) => {
+    const steps = document.querySelector('[data-testid="steps-seen"]');
+    return steps?.dataset.done === String(id) && steps.textContent === "6 steps";
+  }, request);
   await byId("generate").click();
-  await page.waitForFunction(() => document.querySelector('[data-testid="steps-seen"]')?.textContent === "6 steps");
+  await finished(1);
   await byId("texts").waitFor();
   const rows = await page.$$eval('[data-testid="heatmap-canvas"]', (cs) => cs.map((c) => Number(c.dataset.rows)));
   check("a heatmap per prompt, filled", rows.length === 2 && rows.every((r) => r >= 15), JSON.stringify(rows));
@@ -78,8 +82,7 @@ try {
   await byId("perturbation-type").selectOption("gaussian");
   await byId("perturbation-intensity").fill("2");
   await byId("generate").click();
-  await page.waitForFunction(() => document.querySelector('[data-testid="generate"]')?.textContent?.trim() === "Generate");
-  await page.waitForFunction(() => document.querySelector('[data-testid="steps-seen"]')?.textContent === "6 steps");
+  await finished(2);
   const probAfter = await byId("sampled-prob").first().textContent();
   check("perturbation changes the probabilities", probBefore !== probAfter, `${probBefore} -> ${probAfter}`);
   await byId("topk-step").first().locator("button").click();

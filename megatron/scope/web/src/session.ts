@@ -37,11 +37,12 @@ export interface ScopeState {
   training: TrainingState | null;
   errors: string[];
   stepsSeen: number;
+  lastDone: number | null; // request id of the latest finished generation
 }
 
 export function emptyState(): ScopeState {
   return { status: "connecting", mode: "generate", model: null, hello: null, busy: false, request: 0,
-    samples: [], texts: [], dropped: 0, pca: null, training: null, errors: [], stepsSeen: 0 };
+    samples: [], texts: [], dropped: 0, pca: null, training: null, errors: [], stepsSeen: 0, lastDone: null };
 }
 
 function emptySample(): SampleState {
@@ -65,6 +66,7 @@ export function applyJson(state: ScopeState, message: Record<string, any>): void
       break;
     case "done":
       state.busy = false; state.texts = message.texts; state.dropped = message.dropped ?? 0;
+      state.lastDone = message.request;
       (message.tokens as [number, string][][]).forEach((tokens, b) => {
         if (!state.samples[b]) return;
         // Step frames may have been dropped under load; the summary fills in every token.
