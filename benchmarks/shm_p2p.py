@@ -125,7 +125,8 @@ def worker(rank: int, port: int, args, results) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     transports = ("shm", "tcp") if args.transport == "shm" else ("tcp",)
-    config = EndpointConfig(transports=transports, send_threads=args.threads, recv_threads=args.threads,
+    threads = args.threads or None
+    config = EndpointConfig(transports=transports, send_threads=threads, recv_threads=threads,
                             workload_bytes=args.workload_kib * KIB, spin_us=args.spin_us)
     ep = Endpoint.from_process_group(job_id=f"bench-{os.getppid()}", host="127.0.0.1", config=config)
     pair = Pair(ep, dist)
@@ -144,7 +145,7 @@ def worker(rank: int, port: int, args, results) -> None:
         gloo = ping_pong(pair, "gloo", rank, size, args.latency_iters, 1000 + 10 * index + 2)
         latency.append((size, ours, gloo))
     if rank == 0:
-        results.put((rows, latency, ep.transport(1)))
+        results.put((rows, latency, ep.transport(1), config.resolved_threads()[0]))
     ep.close()
     dist.destroy_process_group()
 
@@ -156,7 +157,8 @@ def human(size: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--transport", choices=["shm", "tcp"], default="shm")
-    parser.add_argument("--threads", type=int, default=2, help="send and receive threads per rank")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="send and receive threads per rank (default: chosen by CPU count)")
     parser.add_argument("--workload-kib", type=int, default=1024, help="chunk size (KiB)")
     parser.add_argument("--spin-us", type=int, default=50)
     parser.add_argument("--budget-mib", type=int, default=1024, help="bytes streamed per size and transport")
@@ -173,12 +175,12 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(rank, port, args, results)) for rank in range(2)]
     for p in procs:
         p.start()
-    rows, latency, transport = results.get(timeout=900)
+    rows, latency, transport, threads = results.get(timeout=900)
     for p in procs:
         p.join(60)
 
     gb = 1e9
-    print(f"shm_tensor_rdma P2P, 2 ranks on one host, transport={transport}, threads={args.threads}, "
+    print(f"shm_tensor_rdma P2P, 2 ranks on one host, transport={transport}, threads={threads}, "
           f"workload={args.workload_kib} KiB, cpus={os.cpu_count()}")
     print()
     print("memcpy: single-thread memmove of the same size; 'hot' reuses one buffer pair (cache-resident")

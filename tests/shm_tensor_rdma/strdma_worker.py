@@ -313,8 +313,12 @@ def main() -> None:
     parser.add_argument("--store-port", type=int)
     parser.add_argument("--addresses")
     parser.add_argument("--count", type=int, default=1000)
+    parser.add_argument("--hosts", type=int, default=0, help="pretend the ranks are spread over this many hosts")
     args = parser.parse_args()
     config = EndpointConfig(transports=tuple(args.transports.split(",")), transfer_timeout=60, connect_timeout=30)
+    if args.hosts:
+        # Consecutive ranks share a host key, so they use shared memory; the rest use TCP.
+        config.host_key = f"{args.job_id}-host{args.rank * args.hosts // args.world_size}"
     if args.addresses:
         ep = Endpoint(args.job_id, args.rank, args.world_size, args.addresses.split(","), config=config)
     else:

@@ -70,6 +70,14 @@ def test_1000_random_concurrent_transfers_between_4_ranks_are_bit_exact(tmp_path
     assert shm_names_of(run.job_id) == []
 
 
+def test_ranks_on_two_hosts_mix_shared_memory_and_tcp_in_one_endpoint(tmp_path):
+    run = run_ranks("mesh", 4, tmp_path, timeout=80, extra=["--count", "400", "--hosts", "2"])
+    for rank in range(4):
+        detail = run.check(rank, "random_transfers")["detail"]
+        assert detail["transports"] == ["shm", "tcp"], detail
+    assert run.returncodes == [0, 0, 0, 0], run.describe()
+
+
 def test_kill_9_of_a_rank_raises_peer_error_and_leaves_no_shm(tmp_path):
     procs, store, job_id, out = start_ranks("dead_peer", 2, tmp_path)
     deadline = time.monotonic() + 40

@@ -80,6 +80,14 @@ PYBIND11_MODULE(_C, m) {
            py::arg("src"), py::arg("tag"), py::arg("timeout_s"), released)
       .def("state", &Engine::state, py::arg("id"), released)
       .def("wait", &Engine::wait, py::arg("id"), py::arg("timeout_s"), released)
+      .def("wait_take", [](Engine& e, uint64_t id, double timeout_s) {
+        Finished f;
+        {
+          py::gil_scoped_release nogil;
+          f = e.wait(id, timeout_s) ? e.release(id) : Finished{id, 0, 0, ""};
+        }
+        return finished_tuple(f);
+      }, py::arg("id"), py::arg("timeout_s"))
       .def("release", [](Engine& e, uint64_t id) {
         Finished f;
         {

@@ -55,10 +55,13 @@ ShmChannel::~ShmChannel() { munmap(peer_base_, peer_bytes_); }
 
 uint64_t ShmChannel::eager_limit() const { return out_ctrl_.slot_payload() - sizeof(CtrlHeader); }
 
-void ShmChannel::ring_peer_doorbell() {
+void ShmChannel::ring_peer_doorbell(bool bulk) {
   peer_header_->doorbell.fetch_add(1, std::memory_order_seq_cst);
+  // A polling peer picks up control messages itself, so waking a receive thread for them
+  // only costs a syscall and a context switch. Bulk chunks are worth a wake-up even then:
+  // more threads copy out of the ring in parallel.
   if (peer_header_->sleepers.load(std::memory_order_seq_cst) > 0 &&
-      peer_header_->pollers.load(std::memory_order_seq_cst) == 0)
+      (bulk || peer_header_->pollers.load(std::memory_order_seq_cst) == 0))
     futex_wake(&peer_header_->doorbell, 1);
 }
 
@@ -69,7 +72,7 @@ bool ShmChannel::try_push_ctrl(const CtrlHeader& h, const void* payload) {
   std::memcpy(slot, &h, sizeof(h));
   if (h.payload_bytes) std::memcpy(slot + sizeof(h), payload, h.payload_bytes);
   out_ctrl_.publish(pos, static_cast<uint32_t>(sizeof(h) + h.payload_bytes));
-  ring_peer_doorbell();
+  ring_peer_doorbell(false);
   return true;
 }
 
@@ -126,7 +129,7 @@ std::string ShmChannel::push_chunk(SendJob& job, uint64_t offset, uint64_t bytes
   std::memcpy(slot, &h, sizeof(h));
   std::memcpy(slot + sizeof(h), req.data + offset, bytes);
   out_bulk_.publish(pos, static_cast<uint32_t>(sizeof(h) + bytes));
-  ring_peer_doorbell();
+  ring_peer_doorbell(true);
   return "";
 }
 

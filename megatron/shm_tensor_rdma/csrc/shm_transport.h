@@ -66,7 +66,7 @@ class ShmChannel : public Channel {
 
  private:
   bool try_push_ctrl(const CtrlHeader& h, const void* payload);
-  void ring_peer_doorbell();
+  void ring_peer_doorbell(bool bulk);
 
   EngineSink& sink_;
   ShmDomain& domain_;
