@@ -42,9 +42,10 @@ def pca(points: np.ndarray, num_components: int = 2) -> PCAResult:
 
 
 def top_k(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Softmax probabilities at `temperature` (1 when 0: greedy still shows the model's own
-    distribution) and their top-k ids and values. logits [..., vocab]."""
-    scale = temperature if temperature > 0 else 1.0
-    probs = torch.softmax(logits.float() / scale, dim=-1)
-    top = probs.topk(min(k, probs.shape[-1]), dim=-1)
-    return probs, top.indices, top.values
+    """Top-k ids and softmax probabilities at `temperature` (1 when 0: greedy still shows the
+    model's own distribution), plus log of the softmax normaliser [..., 1]. logits [..., vocab].
+    Only k probabilities are formed, so reporting a step costs little next to the forward."""
+    scaled = logits.float() / temperature if temperature > 0 and temperature != 1.0 else logits.float()
+    log_norm = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    top = scaled.topk(min(k, scaled.shape[-1]), dim=-1)
+    return top.indices, torch.exp(top.values - log_norm), log_norm

@@ -11,11 +11,13 @@ import torch
 import torch.distributed as dist
 
 from megatron.scope.analysis import PCAResult, pca, top_k
-from megatron.scope.codec import encode_frame, reduce_bins
+from megatron.scope.codec import reduce_bins
 from megatron.scope.perturb import Perturbation
 from megatron.scope.runner import ForwardResult, ModelRunner
 
-Emit = Callable[[str, Any, bool], None]  # (kind "json"|"binary", payload, droppable)
+# (kind, payload, droppable): "json" with a dict, or "frame" with (header, arrays), which the
+# server thread encodes so the model thread never serialises.
+Emit = Callable[[str, Any, bool], None]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -110,49 +112,58 @@ class Generator:
             lengths = [len(s) for s in sequences]
             width = max(lengths)
             tokens = torch.tensor([s + [pad] * (width - len(s)) for s in sequences], dtype=torch.long)
-            if step == 0:
-                positions = torch.arange(width).unsqueeze(0).expand(len(sequences), width)
-            else:
-                positions = torch.tensor([[n - 1] for n in lengths])
+            # The new positions of this step: the whole prompt first, then the latest token.
+            rows = [list(range(width))] * len(sequences) if step == 0 else [[n - 1] for n in lengths]
+            needs_rows = bool(request.capture) or request.lens
+            positions = torch.tensor(rows) if needs_rows else None
             result = self.coordinator.forward(
                 tokens=tokens, capture=list(request.capture), perturbations=list(request.perturbations),
-                positions=positions if request.capture or request.lens else None,
-                lens_top_k=request.top_k if request.lens else 0,
+                positions=positions, lens_top_k=request.top_k if request.lens else 0,
             )
-            last = result.logits[torch.arange(len(sequences)), torch.tensor(lengths) - 1, : self.vocab_size]
-            probs, ids, values = top_k(last, request.top_k, request.temperature)
-            if request.temperature > 0:
-                chosen = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-            else:
-                chosen = last.argmax(dim=-1)
-            header = self._step_header(request, step, sequences, positions, lengths, chosen, probs, ids, values)
+            chosen, chosen_probs, ids, values = self.next_tokens(result.logits, lengths, request, generator)
+            header = self._step_header(request, step, sequences, rows, lengths, chosen, chosen_probs, ids, values)
             arrays = self._step_arrays(request, result, header)
             if keep_hidden:
-                self._keep_hidden(result.captures["layer"], positions, lengths, sequences)
-            emit("binary", encode_frame(header, arrays), True)
-            for seq, token in zip(sequences, chosen.tolist()):
-                seq.append(int(token))
+                self._keep_hidden(result.captures["layer"], rows, lengths, sequences)
+            emit("frame", (header, arrays), True)
+            for seq, token in zip(sequences, chosen):
+                seq.append(token)
             steps += 1
         summary = {"type": "done", "request": request.request_id, "steps": steps,
                    "texts": [self.tokenizer.detokenize(s) for s in sequences],
                    "tokens": [[[t, self.token_text(t)] for t in s] for s in sequences]}
         return summary
 
-    def _step_header(self, request, step, sequences, positions, lengths, chosen, probs, ids, values) -> dict:
+    def next_tokens(self, logits: torch.Tensor, lengths: list[int], request: GenerateRequest,
+                    generator: torch.Generator) -> tuple[list[int], list[float], list[list[int]], list[list[float]]]:
+        """(chosen ids, their probabilities, top-k ids, top-k probabilities) per sample, as Python
+        lists. Greedy decoding takes the top-1 of the top-k, so a step costs a handful of ops."""
+        if all(n == lengths[0] for n in lengths):
+            last = logits[:, lengths[0] - 1, : self.vocab_size]
+        else:
+            last = logits[torch.arange(len(lengths)), torch.tensor(lengths) - 1, : self.vocab_size]
+        ids, values, log_norm = top_k(last, request.top_k, request.temperature)
+        ids, values = ids.tolist(), values.tolist()
+        if request.temperature <= 0:
+            return [row[0] for row in ids], [row[0] for row in values], ids, values
+        probs = torch.exp(last.float() / request.temperature - log_norm)
+        chosen = torch.multinomial(probs, 1, generator=generator)
+        return chosen[:, 0].tolist(), probs.gather(1, chosen)[:, 0].tolist(), ids, values
+
+    def _step_header(self, request, step, sequences, positions: list[list[int]], lengths, chosen, chosen_probs,
+                     ids, values) -> dict:
         samples = []
         for b, seq in enumerate(sequences):
-            rows = [int(p) for p in positions[b].tolist() if p < lengths[b]]
+            rows = [p for p in positions[b] if p < lengths[b]]
             samples.append({
                 "length": lengths[b],
                 "positions": rows,
                 "tokens": [[seq[p], self.token_text(seq[p])] for p in rows],
-                "sampled": {"id": int(chosen[b]), "text": self.token_text(int(chosen[b])),
-                            "prob": float(probs[b, chosen[b]])},
-                "topk": [[int(i), self.token_text(int(i)), float(v)] for i, v in zip(ids[b], values[b])],
+                "sampled": {"id": chosen[b], "text": self.token_text(chosen[b]), "prob": chosen_probs[b]},
+                "topk": [[i, self.token_text(i), v] for i, v in zip(ids[b], values[b])],
             })
         return {"type": "step", "request": request.request_id, "step": step,
-                "bins": request.bins, "reduce": request.reduce, "samples": samples,
-                "positions": positions.tolist()}
+                "bins": request.bins, "reduce": request.reduce, "samples": samples, "positions": positions}
 
     def _step_arrays(self, request: GenerateRequest, result: ForwardResult, header: dict) -> dict:
         arrays: dict[str, Any] = {}
@@ -167,11 +178,11 @@ class Generator:
             header["lens_vocab"] = {str(i): self.token_text(i) for i in set(result.lens_ids.flatten().tolist())}
         return arrays
 
-    def _keep_hidden(self, layers: torch.Tensor, positions, lengths, sequences) -> None:
+    def _keep_hidden(self, layers: torch.Tensor, positions: list[list[int]], lengths, sequences) -> None:
         # layers: [layers, batch, positions, hidden]
         with self.lock:
             for b in range(layers.shape[1]):
-                for j, p in enumerate(positions[b].tolist()):
+                for j, p in enumerate(positions[b]):
                     if p >= lengths[b]:
                         continue
                     for layer in range(layers.shape[0]):

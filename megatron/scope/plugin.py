@@ -190,8 +190,6 @@ class ScopePlugin(Plugin):
             self._publish(iteration, tokens, result, metrics)
 
     def _publish(self, iteration: int, tokens: torch.Tensor, result, metrics: dict[str, Any]) -> None:
-        from megatron.scope.analysis import top_k
-        from megatron.scope.codec import encode_frame
         from megatron.scope.engine import GenerateRequest
 
         send = self.service.server.send
@@ -203,14 +201,12 @@ class ScopePlugin(Plugin):
         request = GenerateRequest(request_id=-1, capture=["qkv", "attention", "fc1", "fc2", "layer"], lens=True)
         send(None, "json", {"type": "start", "request": -1, "iteration": iteration,
                             "prompts": [[[t, self.generator.token_text(t)] for t in ids]]}, True)
-        last = result.logits[:, len(ids) - 1, : self.tokenizer.vocab_size]
-        probs, top_ids, values = top_k(last, 5)
-        positions = torch.arange(len(ids)).unsqueeze(0)
-        header = self.generator._step_header(request, 0, [ids], positions, [len(ids)], last.argmax(-1), probs,
-                                             top_ids, values)
+        rows = [list(range(len(ids)))]
+        chosen, chosen_probs, top_ids, values = self.generator.next_tokens(result.logits, [len(ids)], request, None)
+        header = self.generator._step_header(request, 0, [ids], rows, [len(ids)], chosen, chosen_probs, top_ids, values)
         header["iteration"] = iteration
         arrays = self.generator._step_arrays(request, result, header)
-        send(None, "binary", encode_frame(header, arrays), True)
+        send(None, "frame", (header, arrays), True)
         send(None, "json", {"type": "done", "request": -1, "steps": 1, "iteration": iteration,
                             "texts": [self.tokenizer.detokenize(ids)],
                             "tokens": [[[t, self.generator.token_text(t)] for t in ids]]}, True)

@@ -93,6 +93,12 @@ class ModelRunner:
         if lens_top_k and "layer" not in kinds:
             kinds.append("layer")
         hooks = CaptureHooks(self.chunks, kinds) if kinds else None
+        if hooks is None and not perturbations and not grad:
+            # The plain path: nothing registered, nothing wrapped (capture-off overhead ~ 0).
+            with torch.no_grad():
+                output = self._run_stage(tokens, position_ids, mask, batch, seq)
+            logits = self._gather_vocab(output) if self.is_last_stage else None
+            return self._collect(logits, {}, None)
         perturb = PerturbationHooks(self.chunks, perturbations, self.info.num_heads, self.tp_rank, self.info.tp)
         with torch.set_grad_enabled(grad), perturb.active():
             if hooks is None:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from aiohttp import WSMsgType, web
 
+from megatron.scope.codec import encode_frame
 from megatron.scope.protocol import MAX_MESSAGE_BYTES, ProtocolError, parse_message
 
 WEB_DIST = Path(__file__).resolve().parent / "web" / "dist"
@@ -146,7 +147,8 @@ class ScopeServer:
 
     # --- outgoing -------------------------------------------------------------------
     def send(self, client: int | None, kind: str, payload: Any, droppable: bool = False) -> None:
-        """Queue a frame ("json": dict, "binary": bytes) for one client, or all when None."""
+        """Queue a message for one client, or all when None: "json" (a dict), "binary" (bytes) or
+        "frame" ((header, arrays), encoded here on the server thread)."""
         if self._loop is None or self._loop.is_closed():
             return
         try:
@@ -171,6 +173,8 @@ class ScopeServer:
                 kind, payload, _ = client.outbox.popleft()
                 if kind == "binary":
                     await client.ws.send_bytes(payload)
+                elif kind == "frame":
+                    await client.ws.send_bytes(encode_frame(*payload))
                 else:
                     await client.ws.send_str(json.dumps(payload))
 

@@ -18,7 +18,7 @@ def main() -> int:
 
     from megatron.app.config import ModelConfig
     from megatron.app.tokenizer import ByteLevelTokenizer
-    from megatron.scope.codec import decode_frame
+    from megatron.scope.codec import decode_frame, encode_frame
     from megatron.scope.engine import Coordinator, GenerateRequest, Generator
     from megatron.scope.loading import build_random
     from megatron.scope.perturb import Perturbation
@@ -42,7 +42,7 @@ def main() -> int:
         request = GenerateRequest(prompts=["Tensor", "pipe"], max_new_tokens=3, bins=0, lens=True, top_k=4,
                                   capture=["qkv", "attention", "fc1", "fc2", "layer"], perturbations=perturbations)
         summary = generator.generate(request, lambda kind, payload, drop: frames.append((kind, payload)))
-        steps = [decode_frame(p) for kind, p in frames if kind == "binary"]
+        steps = [decode_frame(encode_frame(*p)) for kind, p in frames if kind == "frame"]
         saved[name] = {"texts": summary["texts"],
                        "arrays": [{k: torch.from_numpy(v.copy()) for k, v in a.items()} for _, a in steps],
                        "topk": [[s["topk"] for s in h["samples"]] for h, _ in steps]}
