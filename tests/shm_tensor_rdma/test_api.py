@@ -225,3 +225,23 @@ def test_dtype_codes_are_stable_and_distinct():
     assert dtype_code(torch.float32) == 1 and dtype_code(torch.bfloat16) == 4
     codes = [dtype_code(d) for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool)]
     assert len(set(codes)) == len(codes)
+
+
+def test_endpoint_serves_as_the_pipeline_executors_transport(pair):
+    from megatron.app.transport import Message, message_tag
+    from megatron.shm_tensor_rdma.transport import ShmTensorTransport
+
+    a, b = pair
+    sender, receiver = ShmTensorTransport(a), ShmTensorTransport(b, close_endpoint=False)
+    tags = [message_tag(kind, 1, mb, 4) for kind in ("F", "B") for mb in range(4)]
+    sent = [torch.randn(8, 16) for _ in tags]
+    got = [torch.empty(8, 16) for _ in tags]
+    handles = receiver.post([], [Message(0, tag, out) for tag, out in zip(tags, got)])
+    for h in sender.post([Message(1, tag, t) for tag, t in zip(tags, sent)], []):
+        h.wait(10)
+    for h in handles:
+        h.wait(10)
+        assert h.is_completed()
+    assert all(torch.equal(x, y) for x, y in zip(sent, got))
+    sender.close()
+    assert a.in_flight == 0 and receiver.endpoint is b

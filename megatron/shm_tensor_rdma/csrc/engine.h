@@ -108,6 +108,7 @@ class Engine : public EngineSink {
   void finish(const std::shared_ptr<Request>& req);
   void maybe_publish(const std::shared_ptr<Request>& req);
   void fail_peer_requests(int peer);
+  void settle_if_peer_gone(const std::shared_ptr<Request>& req);
   std::shared_ptr<Request> find(uint64_t id);
   std::string describe(const Request& r) const;  // "isend(dst=1, tag=5, 64 bytes)"
   std::string stage(const Request& r) const;     // how far the transfer got

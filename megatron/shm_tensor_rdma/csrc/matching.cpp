@@ -255,6 +255,7 @@ void Engine::data_end(DataLease& lease, uint64_t bytes) {
   if (r->state == ReqState::Pending) {
     r->bytes_done += bytes;
     if (r->bytes_done == r->nbytes) finish(r);
+    else settle_if_peer_gone(r);
   } else {
     maybe_publish(r);
   }
@@ -286,9 +287,16 @@ void Engine::send_chunk_end(const std::shared_ptr<Request>& req, uint64_t bytes,
     }
     req->bytes_done += bytes;
     if (req->bytes_done == req->nbytes) finish(req);
+    else settle_if_peer_gone(req);
   } else {
     maybe_publish(req);
   }
+}
+
+void Engine::settle_if_peer_gone(const std::shared_ptr<Request>& req) {
+  const PeerState& ps = peers_[req->peer];
+  if (ps.gone_final && req->busy == 0)
+    fail(req, ErrorKind::PeerGone, describe(*req) + " failed: " + ps.gone_reason + " (" + stage(*req) + ")");
 }
 
 void Engine::finish(const std::shared_ptr<Request>& req) {
@@ -346,8 +354,11 @@ void Engine::fail_peer_requests(int peer) {
   PeerState& ps = peers_[peer];
   ps.gone_final = true;
   std::vector<std::shared_ptr<Request>> victims;
+  // A request with a copy in progress may be about to complete (its last chunk already
+  // reached the peer, which is why the peer could finish and leave): the copy settles it.
   for (auto& kv : requests_)
-    if (kv.second->peer == peer && kv.second->state == ReqState::Pending) victims.push_back(kv.second);
+    if (kv.second->peer == peer && kv.second->state == ReqState::Pending && kv.second->busy == 0)
+      victims.push_back(kv.second);
   for (auto& r : victims)
     fail(r, ErrorKind::PeerGone, describe(*r) + " failed: " + ps.gone_reason + " (" + stage(*r) + ")");
   // Rendezvous announcements can never be served now; buffered Eager data still can.
