@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--hf-gpt2", help="local Hugging Face GPT-2 directory (config.json, weights, vocab.json, merges.txt)")
     source.add_argument("--random-model", action="store_true", help="a freshly initialised model (demo/testing)")
     add_server_arguments(serve)
-    g = serve.add_argument_group("model (with --random-model or --hf-gpt2)")
+    g = serve.add_argument_group("layout (any TP x PP, whatever the checkpoint was saved with; launch "
+                                 "TP x PP processes with torchrun) and --random-model's shape")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers", type=int, default=4)
@@ -51,7 +52,8 @@ def load_model(args: argparse.Namespace):
     if args.load:
         overrides = {"tokenizer_type": args.tokenizer_type, "vocab_file": args.vocab_file,
                      "merge_file": args.merge_file}
-        return loading.load_checkpoint(args.load, overrides, device=args.device)
+        return loading.load_checkpoint(args.load, overrides, device=args.device, tp=args.tensor_model_parallel_size,
+                                       pp=args.pipeline_model_parallel_size)
     if args.hf_gpt2:
         from megatron.scope.gpt2 import load_gpt2
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from megatron.app.config import ModelConfig, ParallelConfig
 from megatron.app.tokenizer import GPT2BPETokenizer
-from megatron.scope.loading import LoadedModel, ModelLoadError, info_for, init_parallel
+from megatron.scope.loading import LoadedModel, ModelLoadError, assign_full_state, info_for, init_parallel
 from megatron.scope.runner import ModelRunner
 
 
@@ -79,7 +79,7 @@ def load_gpt2(directory: str, tp: int = 1, pp: int = 1, device: str = "cpu") -> 
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron.app.model import global_parameter_name, transformer_config
+    from megatron.app.model import transformer_config
 
     root = Path(directory)
     config = read_config(root)
@@ -104,18 +104,7 @@ def load_gpt2(directory: str, tp: int = 1, pp: int = 1, device: str = "cpu") -> 
                          pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                          share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
     full = megatron_state(read_weights(root), config, model_cfg.padded_vocab_size)
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    with torch.no_grad():
-        for local_name, param in chunk.named_parameters():
-            name = global_parameter_name(chunk, local_name)
-            if name not in full:
-                raise ModelLoadError(f"GPT-2 import has no value for megatron-core parameter {name}")
-            value = full[name]
-            if getattr(param, "tensor_model_parallel", False) and tp > 1:
-                value = value.chunk(tp, dim=param.partition_dim)[tp_rank]
-            if tuple(value.shape) != tuple(param.shape):
-                raise ModelLoadError(f"{name}: GPT-2 gives {tuple(value.shape)}, megatron-core wants {tuple(param.shape)}")
-            param.copy_(value.to(param.dtype))
+    assign_full_state(chunk, full, tp, ps.get_tensor_model_parallel_rank())
     chunk.to(backend.device).eval()
     runner = ModelRunner([chunk], info_for(model_cfg, tp, pp, f"gpt2:{root.name}"), backend.device)
     return LoadedModel(runner=runner, tokenizer=tokenizer, model_config=model_cfg, backend=backend)

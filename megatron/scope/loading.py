@@ -2,6 +2,7 @@
 directory, or a freshly initialised model (demos and tests). Returns this rank's chunks."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -85,15 +86,15 @@ def read_checkpoint_header(root: str) -> tuple[int, dict[str, Any], dict[str, An
     return iteration, payload.get("model_config", {}), payload.get("args", {})
 
 
-def load_checkpoint(root: str, tokenizer_overrides: dict[str, Any] | None = None, device: str = "cpu") -> LoadedModel:
-    """Build the model recorded in a checkpoint with the TP x PP layout it was saved with."""
+def load_checkpoint(root: str, tokenizer_overrides: dict[str, Any] | None = None, device: str = "cpu",
+                    tp: int = 1, pp: int = 1) -> LoadedModel:
+    """Build the model recorded in a checkpoint for a TP x PP layout of our choosing (one process
+    by default): every saved rank file is merged into unsharded, unpipelined tensors, then sliced."""
     from megatron.app.model import build_model_chunks
 
     iteration, saved_cfg, args = read_checkpoint_header(root)
     known = {f.name for f in fields(ModelConfig)}
     model_cfg = ModelConfig(**{k: v for k, v in saved_cfg.items() if k in known})
-    tp = int(args.get("tensor_model_parallel_size", 1))
-    pp = int(args.get("pipeline_model_parallel_size", 1))
     if args.get("num_layers_per_virtual_pipeline_stage"):
         raise ModelLoadError("checkpoints with virtual pipeline stages are not supported by MegaScope yet")
     tokenizer = tokenizer_from_args(args, tokenizer_overrides or {})
@@ -102,14 +103,68 @@ def load_checkpoint(root: str, tokenizer_overrides: dict[str, Any] | None = None
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp)
     chunks = build_model_chunks(model_cfg, parallel, 1, 0, backend.model_construction)
-    path = ckpt.rank_file(ckpt.iteration_dir(root, iteration), ps.get_tensor_model_parallel_rank(),
-                          ps.get_pipeline_model_parallel_rank())
-    payload = torch.load(path, map_location="cpu", weights_only=False)
-    chunks[0].load_state_dict(payload["model"][0])
+    saved_tp = int(args.get("tensor_model_parallel_size", 1))
+    saved_pp = int(args.get("pipeline_model_parallel_size", 1))
+    full = merged_checkpoint_state(root, iteration, saved_tp, saved_pp, model_cfg.num_layers, chunks[0])
+    assign_full_state(chunks[0], full, tp, ps.get_tensor_model_parallel_rank())
     for chunk in chunks:
         chunk.to(backend.device).eval()
     runner = ModelRunner(chunks, info_for(model_cfg, tp, pp, f"{Path(root).name}@{iteration}"), backend.device)
     return LoadedModel(runner=runner, tokenizer=tokenizer, model_config=model_cfg, backend=backend)
+
+
+def merged_checkpoint_state(root: str, iteration: int, saved_tp: int, saved_pp: int, num_layers: int,
+                            reference: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Global parameter name -> full tensor, from all (tp, pp) rank files of one checkpoint.
+    `reference` (any chunk of the same model) tells which parameters are TP-split and along what."""
+    from megatron.app.model import global_parameter_name
+
+    # Split dims come from this rank's own chunk, named globally (a last stage's tied output
+    # layer names the word embedding); it only ever needs the tensors it holds.
+    split_dims = {}
+    for name, param in reference.named_parameters():
+        if getattr(param, "tensor_model_parallel", False):
+            glob = global_parameter_name(reference, name)
+            split_dims[re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.*.", glob)] = param.partition_dim
+    per_stage = num_layers // saved_pp
+    tied = bool(getattr(reference, "share_embeddings_and_output_weights", False))
+    shards: dict[str, list[torch.Tensor]] = {}
+    for pp_rank in range(saved_pp):
+        for tp_rank in range(saved_tp):
+            path = ckpt.rank_file(ckpt.iteration_dir(root, iteration), tp_rank, pp_rank)
+            if not path.is_file():
+                raise ModelLoadError(f"{path} is missing: the checkpoint in {root} is incomplete")
+            state = torch.load(path, map_location="cpu", weights_only=False)["model"][0]
+            for local, value in state.items():
+                if local.endswith("_extra_state") or not isinstance(value, torch.Tensor):
+                    continue
+                if local == "output_layer.weight" and tied:
+                    continue  # the last stage's copy of the tied word embedding
+                name = re.sub(r"^decoder\.layers\.(\d+)\.",
+                              lambda m: f"decoder.layers.{int(m.group(1)) + pp_rank * per_stage}.", local)
+                shards.setdefault(name, []).append(value)
+    full = {}
+    for name, parts in shards.items():
+        dim = split_dims.get(re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.*.", name))
+        full[name] = torch.cat(parts, dim=dim) if dim is not None and len(parts) > 1 else parts[0]
+    return full
+
+
+@torch.no_grad()
+def assign_full_state(chunk: torch.nn.Module, full: dict[str, torch.Tensor], tp: int, tp_rank: int) -> None:
+    """Copy unsharded tensors into this rank's chunk: its layers, its TP slice."""
+    from megatron.app.model import global_parameter_name
+
+    for local_name, param in chunk.named_parameters():
+        name = global_parameter_name(chunk, local_name)
+        if name not in full:
+            raise ModelLoadError(f"no value for megatron-core parameter {name}")
+        value = full[name]
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            value = value.chunk(tp, dim=param.partition_dim)[tp_rank]
+        if tuple(value.shape) != tuple(param.shape):
+            raise ModelLoadError(f"{name}: the source holds {tuple(value.shape)}, the model wants {tuple(param.shape)}")
+        param.copy_(value.to(param.dtype))
 
 
 def tokenizer_from_args(args: dict[str, Any], overrides: dict[str, Any]) -> Tokenizer:

@@ -1,5 +1,6 @@
 """TP=2 x PP=2 captures (gathered over TP, routed from both pipeline stages to rank 0) equal the
-one-rank captures, with and without perturbations."""
+one-rank captures, with and without perturbations, on a checkpoint that pretrain_gpt.py saved
+with TP=2 x PP=2 (so loading merges shards and stages for one rank and re-slices them for four)."""
 from __future__ import annotations
 
 import subprocess
@@ -13,14 +14,24 @@ from launch import ROOT, env, torchrun
 WORKER = Path(__file__).parent / "workers" / "capture_worker.py"
 
 
+TRAIN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+         "--train-iters", "2", "--lr", "1e-2", "--init-method-std", "0.3", "--device", "cpu", "--mock-data",
+         "--tokenizer-type", "ByteLevelTokenizer", "--tensor-model-parallel-size", "2",
+         "--pipeline-model-parallel-size", "2"]
+
+
 def test_tp2_pp2_captures_match_single_rank(tmp_path):
+    checkpoint = str(tmp_path / "ckpt")
+    trained = torchrun(ROOT / "pretrain_gpt.py", [*TRAIN, "--save", checkpoint], nproc=4, timeout=300)
+    assert trained.returncode == 0, trained.stderr[-3000:]
     # In-process fixtures of this session set MASTER_PORT for their own store; a fresh one-rank
     # job must pick its own.
     clean = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    single = subprocess.run([sys.executable, str(WORKER), "--out", str(tmp_path / "single.pt")], cwd=ROOT, env=clean,
+    single = subprocess.run([sys.executable, str(WORKER), "--load", checkpoint, "--out", str(tmp_path / "single.pt")], cwd=ROOT, env=clean,
                             capture_output=True, text=True, timeout=240)
     assert single.returncode == 0, single.stderr[-3000:]
-    parallel = torchrun(WORKER, ["--tp", "2", "--pp", "2", "--out", str(tmp_path / "tp2pp2.pt")], nproc=4, timeout=300)
+    parallel = torchrun(WORKER, ["--load", checkpoint, "--tp", "2", "--pp", "2", "--out", str(tmp_path / "tp2pp2.pt")], nproc=4, timeout=300)
     assert parallel.returncode == 0, parallel.stderr[-3000:]
     want = torch.load(tmp_path / "single.pt")
     got = torch.load(tmp_path / "tp2pp2.pt")
@@ -35,3 +46,4 @@ def test_tp2_pp2_captures_match_single_rank(tmp_path):
                                            msg=f"{name} step {step} {kind}")
     assert got["clean"]["texts"] != got["perturbed"]["texts"] or not torch.equal(
         got["clean"]["arrays"][0]["layer"], got["perturbed"]["arrays"][0]["layer"])
+

@@ -14,18 +14,22 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--load", default=None, help="serve this pretrain_gpt.py checkpoint instead of a random model")
     args = parser.parse_args()
 
     from megatron.app.config import ModelConfig
     from megatron.app.tokenizer import ByteLevelTokenizer
     from megatron.scope.codec import decode_frame, encode_frame
     from megatron.scope.engine import Coordinator, GenerateRequest, Generator
-    from megatron.scope.loading import build_random
+    from megatron.scope.loading import build_random, load_checkpoint
     from megatron.scope.perturb import Perturbation
 
     cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32, max_position_embeddings=32,
                       init_method_std=0.3)  # peaked logits: no near-ties to reorder top-k
-    model = build_random(cfg, ByteLevelTokenizer(), tp=args.tp, pp=args.pp, seed=77)
+    if args.load:
+        model = load_checkpoint(args.load, tp=args.tp, pp=args.pp)
+    else:
+        model = build_random(cfg, ByteLevelTokenizer(), tp=args.tp, pp=args.pp, seed=77)
     coordinator = Coordinator(model.runner)
     if dist.get_rank() != 0:
         coordinator.follow()
