@@ -53,18 +53,32 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Unpipelined single-rank results, computed once per model variant."""
+    cache: dict[tuple, tuple] = {}
+
+    def get(reference_args: list[str]):
+        key = tuple(reference_args)
+        if key not in cache:
+            cache[key] = _assemble(_run(tmp_path_factory.mktemp("reference"), 1, reference_args))
+        return cache[key]
+
+    return get
+
+
 @pytest.mark.parametrize("nproc,args", CASES, ids=[" ".join(a) for _, a in CASES])
-def test_pipelined_equals_unpipelined(tmp_path, nproc, args):
+def test_pipelined_equals_unpipelined(tmp_path, reference, nproc, args):
     layers = args[args.index("--layers") + 1] if "--layers" in args else "4"
     reference_args = ["--layers", layers, "--microbatches", "4"] + (["--untie"] if "--untie" in args else [])
-    ref_losses, ref_grads = _assemble(_run(tmp_path, 1, reference_args))
+    ref_losses, ref_grads = reference(reference_args)
     extra = [] if "--layers" in args else ["--layers", layers]
     losses, grads = _assemble(_run(tmp_path, nproc, [*args, *extra, "--microbatches", "4"]))
 
     assert len(losses) == 4
     torch.testing.assert_close(sorted(losses), sorted(ref_losses), rtol=1e-5, atol=1e-6)
-    reference = {k.replace("@output", ""): v for k, v in ref_grads.items()}
-    assert {k.replace("@output", "") for k in grads} == set(reference)
+    expected = {k.replace("@output", ""): v for k, v in ref_grads.items()}
+    assert {k.replace("@output", "") for k in grads} == set(expected)
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, reference[name.replace("@output", "")], rtol=1e-4, atol=1e-6,
+        torch.testing.assert_close(grad, expected[name.replace("@output", "")], rtol=1e-4, atol=1e-6,
                                    msg=lambda m: f"{name}: {m}")
