@@ -5,6 +5,7 @@ the trained model when training ends."""
 from __future__ import annotations
 
 import argparse
+import collections
 import threading
 from typing import Any
 
@@ -76,6 +77,7 @@ class ScopePlugin(Plugin):
         self.plan: dict[str, Any] = {}
         self.active_perturbations = None
         self.layer_norms: list[float] = []
+        self.history: collections.deque = collections.deque(maxlen=500)  # metrics for late-joining pages
         self.service = None
         if self.is_server:
             self.generator = Generator(self.coordinator, self.tokenizer, self.tokenizer.vocab_size)
@@ -118,7 +120,8 @@ class ScopePlugin(Plugin):
         self.service.server.send(None, "json", {"type": "train_status", "training": self._train_state()})
 
     def _train_state(self) -> dict[str, Any]:
-        return {"iteration": getattr(self, "iteration", 0), "paused": self.paused, "sample": self.sample}
+        return {"iteration": getattr(self, "iteration", 0), "paused": self.paused, "sample": self.sample,
+                "history": list(self.history)}
 
     # --- trainer hooks ---------------------------------------------------------------------
     def before_iteration(self, ctx, iteration: int) -> None:
@@ -194,9 +197,10 @@ class ScopePlugin(Plugin):
 
         send = self.service.server.send
         loss = metrics.get("lm loss")
-        send(None, "json", {"type": "train_metrics", "point": {
-            "iteration": iteration, "loss": None if loss is None else float(loss),
-            "grad_norm": float(metrics.get("grad norm") or 0.0), "layer_grad_norms": self.layer_norms}}, False)
+        point = {"iteration": iteration, "loss": None if loss is None else float(loss),
+                 "grad_norm": float(metrics.get("grad norm") or 0.0), "layer_grad_norms": self.layer_norms}
+        self.history.append(point)
+        send(None, "json", {"type": "train_metrics", "point": point}, False)
         ids = tokens[0].tolist()
         request = GenerateRequest(request_id=-1, capture=["qkv", "attention", "fc1", "fc2", "layer"], lens=True)
         send(None, "json", {"type": "start", "request": -1, "iteration": iteration,

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,14 @@ aiohttp = pytest.importorskip("aiohttp", reason="the MegaScope server needs aioh
 
 from launch import ROOT, env, free_port  # noqa: E402
 from megatron.scope.codec import decode_frame  # noqa: E402
+from megatron.scope.server import WEB_DIST  # noqa: E402
+
+ARTIFACTS = Path(__file__).parent / "artifacts"
+
+
+def _browser_ready() -> bool:
+    return (Path("/usr/bin/chromium").exists() and shutil.which("node") is not None
+            and (WEB_DIST / "index.html").is_file() and (WEB_DIST.parent / "node_modules" / "playwright-core").is_dir())
 
 ARGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -89,6 +99,13 @@ def test_training_mode_pause_step_generate_and_finish():
                         {"kind": "calculation", "type": "gaussian", "intensity": 0.5, "layers": [1]}]}))
                     metrics = await _next(ws, {"train_metrics"})
                     assert metrics["point"]["iteration"] == 2 and all(n > 0 for n in metrics["point"]["layer_grad_norms"])
+                    if _browser_ready():  # the training tab in a real browser steps iteration 3
+                        browser = await asyncio.to_thread(
+                            subprocess.run, ["node", "e2e/training.e2e.mjs", url, str(ARTIFACTS), "3"],
+                            cwd=WEB_DIST.parent, capture_output=True, text=True, timeout=120)
+                        assert '"ok":true' in browser.stdout, browser.stdout[-2000:] + browser.stderr[-2000:]
+                        metrics = await _next(ws, {"train_metrics"})
+                        assert metrics["point"]["iteration"] == 3
                     await ws.send_str(json.dumps({"type": "train", "action": "start", "perturbations": []}))
                     last = metrics
                     while last["point"]["iteration"] < 4:

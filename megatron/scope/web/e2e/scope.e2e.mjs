@@ -8,6 +8,8 @@ import { join } from "node:path";
 import { chromium } from "playwright-core";
 
 const [url, artifacts] = process.argv.slice(2);
+// Two prompts, one batch; MEGASCOPE_PROMPTS='["a", "b"]' swaps in others (e.g. for the docs' demo model).
+const prompts = JSON.parse(process.env.MEGASCOPE_PROMPTS || '["Hello MegaScope", "Attention please"]');
 if (!url || !artifacts) {
   console.error("usage: node e2e/scope.e2e.mjs URL ARTIFACT_DIR");
   process.exit(2);
@@ -35,9 +37,9 @@ try {
   const byId = (id) => page.getByTestId(id);
   await page.waitForFunction(() => document.querySelector('[data-testid="status"]')?.textContent === "open");
   check("connected", true);
-  await byId("prompt-0").fill("Hello MegaScope");
+  await byId("prompt-0").fill(prompts[0]);
   await byId("add-prompt").click();
-  await byId("prompt-1").fill("Attention please");
+  await byId("prompt-1").fill(prompts[1]);
   await byId("max-new-tokens").fill("6");
   const finished = (request) => page.waitForFunction((id) => {
     const steps = document.querySelector('[data-testid="steps-seen"]');
@@ -47,7 +49,7 @@ try {
   await finished(1);
   await byId("texts").waitFor();
   const rows = await page.$$eval('[data-testid="heatmap-canvas"]', (cs) => cs.map((c) => Number(c.dataset.rows)));
-  check("a heatmap per prompt, filled", rows.length === 2 && rows.every((r) => r >= 15), JSON.stringify(rows));
+  check("a heatmap per prompt, filled", rows.length === 2 && rows.every((r) => r >= 7), JSON.stringify(rows));
   check("top-k per generated step", (await byId("topk-step").count()) === 12);
   await byId("topk-step").first().locator("button").click();
   check("top-k expands", (await byId("topk-alternatives").locator("li").count()) === 5);
@@ -60,7 +62,7 @@ try {
   await byId("attention-head").selectOption("1");
   await byId("attention-sample").selectOption("1");
   const attentionRows = await page.$eval('[data-testid="heatmap-canvas"]', (c) => Number(c.dataset.rows));
-  check("attention matrix for layer 2 head 1", attentionRows >= 16, String(attentionRows));
+  check("attention matrix for layer 2 head 1", attentionRows >= 7, String(attentionRows));
   await page.screenshot({ path: join(artifacts, "attention.png"), fullPage: true });
 
   await byId("tab-pca").click();
