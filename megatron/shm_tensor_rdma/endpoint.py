@@ -185,6 +185,7 @@ class Endpoint:
 
     def _start(self, job_id: str, rank: int, world_size: int, config: EndpointConfig | None, port: int) -> None:
         self._closed = True  # until the engine exists, so close() is safe on failure
+        self._engine = None
         self._config = config if config is not None else EndpointConfig()
         self._config.validate()
         if not isinstance(job_id, str) or not job_id or "\n" in job_id:
@@ -294,16 +295,20 @@ class Endpoint:
 
         With raise_errors, a failed handle raises its error (its `finished` attribute holds
         every handle of this batch, failed ones included)."""
+        engine = self._engine
+        if engine is None:  # closed: every handle was settled by close()
+            return []
         with self._lock:
-            batch = self._apply(self._engine.poll())
+            batch = self._apply(engine.poll())
         return _deliver(batch, raise_errors)
 
     def wait_any(self, timeout: float | None = None, *, raise_errors: bool = True) -> list[Handle]:
         """Like poll(), but blocks without the GIL until at least one handle finished.
         Returns [] when `timeout` seconds pass first or nothing is in flight."""
         self._check_open("wait_any")
+        engine = self._engine
         seconds = -1.0 if timeout is None else max(0.0, float(timeout))
-        finished = self._engine.wait_any(seconds)
+        finished = engine.wait_any(seconds)
         with self._lock:
             batch = self._apply(finished)
         return _deliver(batch, raise_errors)
@@ -323,6 +328,7 @@ class Endpoint:
 
     def transport(self, peer: int) -> str:
         """"shm", "verbs" or "tcp": how this endpoint reaches `peer` ("self" for its own rank)."""
+        self._check_open("transport")
         return self._engine.transport_of(_check_int(peer, "peer"))
 
     def _apply(self, finished: list[tuple[int, int, int, str]]) -> list[Handle]:
@@ -382,7 +388,7 @@ class Endpoint:
     # ------------------------------------------------------------------ lifetime
 
     def _check_open(self, op: str) -> None:
-        if self._closed:
+        if self._closed or self._engine is None:
             raise EndpointClosedError(f"{op}: endpoint of rank {self.rank} is closed")
         if not self._connected:
             raise TransportError(f"{op}: endpoint of rank {self.rank} is not connected")

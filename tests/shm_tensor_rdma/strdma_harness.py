@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from launch import ROOT, env
+from megatron.shm_tensor_rdma import Endpoint, EndpointConfig
 
 WORKER = Path(__file__).with_name("strdma_worker.py")
 
@@ -100,6 +102,31 @@ def finish_ranks(procs, store, job_id: str, out: Path, timeout: float) -> Run:
 def run_ranks(scenario: str, world_size: int, tmp_path: Path, *, timeout: float = 60, **kwargs) -> Run:
     procs, store, job_id, out = start_ranks(scenario, world_size, tmp_path, **kwargs)
     return finish_ranks(procs, store, job_id, out, timeout)
+
+
+def make_pair(job_id: str | None = None, store=None, config: EndpointConfig | None = None,
+              per_rank_configs: list[EndpointConfig] | None = None):
+    """Ranks 0 and 1 of one job, built concurrently (each constructor waits for the other)."""
+    job_id = job_id or f"api-{uuid.uuid4().hex[:8]}"
+    store = store or dist.HashStore()
+    endpoints: list = [None, None]
+    errors: list = []
+
+    def build(rank: int) -> None:
+        try:
+            rank_config = per_rank_configs[rank] if per_rank_configs else config
+            endpoints[rank] = Endpoint.from_store(store, job_id, rank, 2, host="127.0.0.1", config=rank_config)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    return endpoints
 
 
 def shm_names_of(job_id: str) -> list[str]:

@@ -338,7 +338,11 @@ void serve_fd(int listen_fd, int fd_to_send, std::vector<int> expected_ranks, Cl
       throw PeerSetupError(expected_ranks.front(), "timed out handing our shared-memory segment to rank " +
                                                        std::to_string(expected_ranks.front()));
     int conn = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
-    if (conn < 0) continue;
+    if (conn < 0) {
+      // The setup gave up elsewhere and shut the listener down: stop instead of spinning.
+      if (errno == EINVAL || errno == EBADF) throw TransportError("shared-memory hand-over was cancelled");
+      continue;
+    }
     int32_t rank = -1;
     auto it = expected_ranks.end();
     if (read_full_until(conn, &rank, sizeof(rank), deadline))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron.shm_tensor_rdma import EndpointConfig, PeerError, _C, rdma_ports, verbs_compiled
-from test_api import make_pair
+from strdma_harness import make_pair
 
 logic = _C.verbs_logic
 PORTS, NO_PORTS_REASON = rdma_ports()

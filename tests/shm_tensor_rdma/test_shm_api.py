@@ -23,32 +23,7 @@ from megatron.shm_tensor_rdma import (
     split_tag,
 )
 from megatron.shm_tensor_rdma.dtypes import dtype_code
-from strdma_harness import shm_names_of
-
-
-def make_pair(job_id: str | None = None, store=None, config: EndpointConfig | None = None,
-              per_rank_configs: list[EndpointConfig] | None = None):
-    """Ranks 0 and 1 of one job, built concurrently (each constructor waits for the other)."""
-    job_id = job_id or f"api-{uuid.uuid4().hex[:8]}"
-    store = store or dist.HashStore()
-    endpoints: list = [None, None]
-    errors: list = []
-
-    def build(rank: int) -> None:
-        try:
-            rank_config = per_rank_configs[rank] if per_rank_configs else config
-            endpoints[rank] = Endpoint.from_store(store, job_id, rank, 2, host="127.0.0.1", config=rank_config)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    if errors:
-        raise errors[0]
-    return endpoints
+from strdma_harness import make_pair, shm_names_of
 
 
 @pytest.fixture
@@ -162,6 +137,9 @@ def test_close_fails_in_flight_handles_and_the_peer_sees_it(pair):
         never.wait(5)
     with pytest.raises(EndpointClosedError):
         a.isend(torch.zeros(1), 1, 3)
+    with pytest.raises(EndpointClosedError):
+        a.transport(1)
+    assert a.poll() == [] and a.in_flight == 0
     with pytest.raises(PeerError) as info:
         waiting_on_a.wait(5)
     assert info.value.peer_rank == 0 and "rank 0 closed its endpoint" in str(info.value)
