@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--transport", choices=["shm", "tcp"], default="shm")
     parser.add_argument("--threads", type=int, default=0,
                         help="send and receive threads per rank (default: chosen by CPU count)")
-    parser.add_argument("--workload-kib", type=int, default=1024, help="chunk size (KiB)")
+    parser.add_argument("--workload-kib", type=int, default=256, help="chunk size (KiB)")
     parser.add_argument("--spin-us", type=int, default=50)
     parser.add_argument("--budget-mib", type=int, default=1024, help="bytes streamed per size and transport")
     parser.add_argument("--latency-iters", type=int, default=2000)

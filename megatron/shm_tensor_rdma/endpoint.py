@@ -40,10 +40,10 @@ class EndpointConfig:
 
     send_threads: int | None = None  # threads copying outgoing chunks (shm); None: by CPU count
     recv_threads: int | None = None  # threads draining the inbox (shm); None: by CPU count
-    workload_bytes: int = 1 << 20  # chunk size: large tensors are split across threads by it
+    workload_bytes: int = 256 << 10  # chunk size: large tensors are split across threads by it
     eager_bytes: int = 4096        # messages up to this size skip the size handshake
     shm_ctrl_slots: int = 128      # control slots per peer (power of two)
-    shm_bulk_slots: int = 8        # data chunk slots per peer (power of two)
+    shm_bulk_slots: int = 16       # data chunk slots per peer (power of two)
     spin_us: int = 50              # receive threads poll this long before sleeping
     transports: tuple[str, ...] = _TRANSPORTS  # allowed; chosen per peer: shm > verbs > tcp
     verbs_device: str = ""         # RDMA device name; "" = first with an active port

@@ -31,10 +31,10 @@ struct EngineConfig {
   int bind_port = 0;               // 0: pick a free port (see listen_port())
   int send_threads = 2;
   int recv_threads = 2;
-  uint64_t workload_bytes = 1 << 20;  // chunk size: large tensors are split across threads by it
+  uint64_t workload_bytes = 256 << 10;  // chunk size: large tensors are split across threads by it
   uint64_t eager_bytes = 4096;        // messages up to this size skip the Rts/Cts handshake
   uint32_t shm_ctrl_slots = 128;
-  uint32_t shm_bulk_slots = 8;
+  uint32_t shm_bulk_slots = 16;
   int spin_us = 50;
   bool allow_shm = true;
   bool allow_tcp = true;

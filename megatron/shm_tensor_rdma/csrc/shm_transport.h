@@ -24,8 +24,8 @@ namespace strdma {
 struct ShmOptions {
   uint32_t ctrl_slots = 128;
   uint32_t ctrl_slot_payload = 4096;   // header + Eager payload
-  uint32_t bulk_slots = 8;
-  uint32_t bulk_slot_payload = 1 << 20;  // header + one Data chunk
+  uint32_t bulk_slots = 16;
+  uint32_t bulk_slot_payload = 256 << 10;  // header + one Data chunk
   int spin_us = 5;  // receive threads busy-poll this long before sleeping on the doorbell
 };
 
