@@ -78,8 +78,9 @@ def test_ranks_on_two_hosts_mix_shared_memory_and_tcp_in_one_endpoint(tmp_path):
     assert run.returncodes == [0, 0, 0, 0], run.describe()
 
 
-def test_kill_9_of_a_rank_raises_peer_error_and_leaves_no_shm(tmp_path):
-    procs, store, job_id, out = start_ranks("dead_peer", 2, tmp_path)
+@pytest.mark.parametrize("transports", ["shm,tcp", "tcp"])
+def test_kill_9_of_a_rank_raises_peer_error_and_leaves_no_shm(tmp_path, transports):
+    procs, store, job_id, out = start_ranks("dead_peer", 2, tmp_path, transports=transports)
     deadline = time.monotonic() + 40
     while not (out / "victim.ready").exists() and time.monotonic() < deadline and procs[1].poll() is None:
         time.sleep(0.02)
