@@ -258,6 +258,14 @@ Finished Engine::take(uint64_t id) {
   f.error_kind = static_cast<uint32_t>(r.error_kind);
   f.message = r.error;
   requests_.erase(it);
+  // Callers that only wait on handles never drain completed_; drop the ids already taken
+  // once they dominate, so the queue stays proportional to what is still unreported.
+  if (completed_.size() > 4096 && completed_.size() > 2 * requests_.size()) {
+    std::deque<uint64_t> live;
+    for (uint64_t c : completed_)
+      if (requests_.count(c)) live.push_back(c);
+    completed_.swap(live);
+  }
   return f;
 }
 
