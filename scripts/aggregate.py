@@ -15,13 +15,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("-b", "--benchmark-dir", required=True, metavar="DIR", help="the --trace-dir of the run")
     parser.add_argument("-o", "--output", default=None, help="Chrome trace to write (default: DIR/merged_trace.json)")
-    parser.add_argument("-d", "--detect", action="store_true", help="slow-rank detection (MegaScan II; not built yet)")
+    parser.add_argument("-d", "--detect", action="store_true", help="slow-rank detection instead of aggregation: writes DIR/abnormal.json, "
+                        "abnormal.txt, detection.txt and report.html")
     add_aggregate_arguments(parser)
     args = parser.parse_args()
     if args.detect:
-        print("error: -d (slow-rank detection) is not available yet in this version of MegaScan; "
-              "run without -d to aggregate", file=sys.stderr)
-        return 2
+        from megatron.scan.detect.cli import run_detect
+
+        return run_detect(argparse.Namespace(jobs=args.jobs, run_id=args.run_id, output_dir=None, no_html=False,
+                                             no_what_if=False, json=False), args.benchmark_dir)
     output = args.output or os.path.join(args.benchmark_dir, "merged_trace.json")
     return run_aggregate(args.benchmark_dir, output, args)
 

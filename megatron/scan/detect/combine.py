@@ -1,0 +1,123 @@
+"""The combiner: the three stages' findings become one ranked list of suspects (slow ranks and
+slow links), each with a confidence and the evidence behind it; victims are explained, not named."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from megatron.scan.detect.collective import ArrivalStage, arrival_order
+from megatron.scan.detect.compute import ComputeStage, peer_comparison
+from megatron.scan.detect.model import DetectionInput
+from megatron.scan.detect.p2p import PipelineStage, pipeline_analysis
+
+
+@dataclass(kw_only=True)
+class Suspect:
+    kind: str  # "rank" | "link"
+    ranks: list[int]
+    confidence: float
+    slowdown: float
+    evidence: list[str]
+    details: dict[str, Any] = field(default_factory=dict)
+    what_if: dict[str, float] | None = None
+
+
+@dataclass(kw_only=True)
+class Detection:
+    data: DetectionInput
+    compute: ComputeStage
+    arrival: ArrivalStage
+    pipeline: PipelineStage
+    suspects: list[Suspect]
+    verdict: str  # "suspects" | "healthy" | "cannot compare"
+    notes: list[str] = field(default_factory=list)
+
+
+Analyzer = Callable[[DetectionInput], Any]
+
+
+def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival: Analyzer = arrival_order,
+           pipeline: Analyzer = pipeline_analysis) -> Detection:
+    """Run the three analyzers (each swappable) and combine their evidence."""
+    stage1, stage2, stage3 = compute(data), arrival(data), pipeline(data)
+    notes = [*data.warnings, *stage1.notes, *stage2.notes, *stage3.notes]
+    suspects: list[Suspect] = []
+    for rank, finding in stage1.findings.items():
+        if not finding.flagged:
+            continue
+        arrival_finding = stage2.findings.get(rank)
+        evidence = []
+        if finding.method == "peers":
+            evidence.append(f"compute {finding.slowdown:.2f}x its peers {finding.peers} (median over {finding.instances} "
+                            f"forward/backward instances, {finding.z:.1f} standard errors; {finding.slow_instances} "
+                            f"instances individually slow)")
+            ops = ", ".join(f"{o['op'][0].upper()}{o['chunk']}.{o['microbatch']}@it{o['iteration']} x{o['slowdown']}"
+                            for o in finding.worst_ops[:3])
+            evidence.append(f"slowest instances: {ops}")
+        else:
+            evidence.append(f"compute {finding.slowdown:.2f}x its own earlier iterations from iteration "
+                            f"{finding.onset_iteration} on ({finding.z:.1f} standard errors; no peer to compare with)")
+        corroborated = 0.0
+        if arrival_finding is not None and arrival_finding.last > arrival_finding.expected_last:
+            evidence.append(f"arrived last at {arrival_finding.last} of {arrival_finding.instances} collectives "
+                            f"(chance: {arrival_finding.expected_last:.1f}); peers waited {arrival_finding.waited_on_ms:.1f} ms "
+                            f"in all, groups {arrival_finding.groups}")
+            corroborated = 1.0 if arrival_finding.flagged else 0.5
+        waited = stage3.producer_wait_ms.get(rank)
+        if waited:
+            evidence.append(f"pipeline neighbours waited {waited:.1f} ms for its messages")
+        strength = 1.0 - np.exp(-max(finding.z, 0.0) / 6.0)
+        confidence = 0.75 * strength + 0.25 * corroborated
+        suspects.append(Suspect(kind="rank", ranks=[rank], confidence=round(float(confidence), 3),
+                                slowdown=round(finding.slowdown, 3), evidence=evidence,
+                                details={"compute": _plain(finding), "arrival": _plain(arrival_finding)}))
+    # A rank no analyzer could compare, arriving last far more than chance while not waiting on
+    # its pipeline producers, is named with low confidence rather than silently missed.
+    for rank in stage1.cannot_compare:
+        arrival_finding = stage2.findings.get(rank)
+        if arrival_finding is None or not arrival_finding.flagged:
+            continue
+        if stage3.receive_wait_ms.get(rank, 0.0) > 0.5 * arrival_finding.waited_on_ms:
+            continue  # its lateness is explained by waiting for its neighbour
+        suspects.append(Suspect(kind="rank", ranks=[rank], confidence=0.35, slowdown=float("nan"),
+                                evidence=[f"arrived last at {arrival_finding.last} of {arrival_finding.instances} "
+                                          f"collectives (chance {arrival_finding.expected_last:.1f}); compute not comparable"],
+                                details={"arrival": _plain(arrival_finding)}))
+    for (src, dst), link in stage3.links.items():
+        if not link.flagged:
+            continue
+        suspects.append(Suspect(kind="link", ranks=[src, dst],
+                                confidence=round(float(1.0 - np.exp(-link.z / 6.0)), 3),
+                                slowdown=round(link.delivery_ms / max(link.baseline_ms, 0.05), 3),
+                                evidence=[f"messages {src}->{dst} delivered in {link.delivery_ms:.2f} ms (median of "
+                                          f"{link.messages}) vs {link.baseline_ms:.2f} ms on other links "
+                                          f"({link.bandwidth_gbps:.3f} GB/s effective), {link.z:.1f} standard errors"],
+                                details={"link": _plain(link)}))
+    suspects.sort(key=lambda s: (-s.confidence, s.ranks))
+    comparable = len(stage1.findings) > 0 or stage2.instances > 0 or len(stage3.links) > 0
+    verdict = "suspects" if suspects else ("healthy" if comparable else "cannot compare")
+    if verdict == "cannot compare":
+        notes.append("cannot compare: no rank has a peer, a collective partner, a pipeline link or enough history "
+                     "(a single rank, DP=TP=PP=1, or traces without compute spans and collectives)")
+    return Detection(data=data, compute=stage1, arrival=stage2, pipeline=stage3, suspects=suspects, verdict=verdict,
+                     notes=notes)
+
+
+def _plain(obj: Any) -> Any:
+    """Dataclass -> JSON-friendly dict (floats rounded)."""
+    if obj is None:
+        return None
+    if hasattr(obj, "__dataclass_fields__"):
+        return {k: _plain(getattr(obj, k)) for k in obj.__dataclass_fields__}
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, (float, np.floating)):
+        value = float(obj)
+        return None if value != value else round(value, 4)
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj

@@ -1,0 +1,100 @@
+"""DIR/report.html: one self-contained page (inline CSS, no scripts, no network) with a rank x
+op-type slowness heatmap, per-rank iteration-time bars, and the suspects with evidence and what-if."""
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import numpy as np
+
+from megatron.scan.detect.combine import Detection
+
+
+def _color(ratio: float) -> str:
+    """1.0 -> white, >= 2.0 -> full red, <= 0.5 -> full blue."""
+    if ratio != ratio:
+        return "#eeeeee"
+    x = float(np.clip(np.log2(max(ratio, 1e-6)), -1.0, 1.0))
+    if x >= 0:
+        other = int(255 * (1 - x))
+        return f"#ff{other:02x}{other:02x}"
+    other = int(255 * (1 + x))
+    return f"#{other:02x}{other:02x}ff"
+
+
+def _heatmap(detection: Detection) -> str:
+    """Per rank and op type: median busy time relative to the median of its stage's ranks."""
+    data = detection.data
+    t = data.compute
+    ops = [("forward", 0), ("backward", 1)]
+    rows = []
+    for rank in data.world:
+        role = data.roles[rank]
+        stage = [r for r in data.world if data.roles[r].pp == role.pp]
+        cells = []
+        for name, kind in ops:
+            mine = (t["rank"] == rank) & (t["kind"] == kind)
+            peers = np.isin(t["rank"], stage) & (t["kind"] == kind)
+            ratio = float(np.median(t["busy"][mine]) / np.median(t["busy"][peers])) if mine.any() and peers.any() else float("nan")
+            cells.append(f'<td style="background:{_color(ratio)}">{ratio:.2f}x</td>' if ratio == ratio else "<td>-</td>")
+        arrival = detection.arrival.findings.get(rank)
+        ratio = arrival.last / arrival.expected_last if arrival and arrival.expected_last else float("nan")
+        cells.append(f'<td style="background:{_color(ratio)}">{ratio:.2f}x</td>' if ratio == ratio else "<td>-</td>")
+        rows.append(f"<tr><th>{html.escape(data.label(rank))}</th>{''.join(cells)}</tr>")
+    head = "".join(f"<th>{n} busy / stage median</th>" for n, _ in ops) + "<th>last arrivals / chance</th>"
+    return f"<table class=heat><tr><th>rank</th>{head}</tr>{''.join(rows)}</table>"
+
+
+def _iteration_bars(detection: Detection) -> str:
+    it = detection.data.iteration_time
+    if not len(it["rank"]):
+        return "<p>no iteration spans</p>"
+    durations = (it["end"] - it["start"]) / 1e6
+    top = float(durations.max()) or 1.0
+    rows = []
+    for i in np.unique(it["iteration"]):
+        mine = it["iteration"] == i
+        span = float((it["end"][mine].max() - it["start"][mine].min()) / 1e6)
+        width = 100.0 * min(span / top, 1.0)
+        rows.append(f'<tr><th>iteration {int(i)}</th><td><div class=bar style="width:{width:.1f}%"></div></td>'
+                    f"<td>{span:.1f} ms</td></tr>")
+    return f"<table class=bars>{''.join(rows)}</table>"
+
+
+def _suspects(detection: Detection) -> str:
+    if not detection.suspects:
+        return f"<p>No suspect (verdict: {html.escape(detection.verdict)}).</p>"
+    items = []
+    data = detection.data
+    for s in detection.suspects:
+        title = data.label(s.ranks[0]) if s.kind == "rank" else f"link {s.ranks[0]} &rarr; {s.ranks[1]}"
+        evidence = "".join(f"<li>{html.escape(e)}</li>" for e in s.evidence)
+        what_if = ""
+        if s.what_if:
+            what_if = (f"<li><b>what-if</b>: {s.what_if['measured_ms']:.1f} ms &rarr; {s.what_if['healthy_ms']:.1f} ms "
+                       f"per iteration if healthy: it costs the job {s.what_if['cost_percent']:.1f}%</li>")
+        items.append(f"<li><b>{html.escape(title) if s.kind == 'rank' else title}</b> confidence {s.confidence:.2f}, "
+                     f"{s.slowdown:.2f}x<ul>{evidence}{what_if}</ul></li>")
+    return f"<ol>{''.join(items)}</ol>"
+
+
+def render(detection: Detection) -> str:
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in detection.notes)
+    sizes = detection.data.sizes
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>MegaScan detection</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;
+padding:3px 8px;text-align:left}}.bar{{background:#4a7;height:12px}}.bars td:nth-child(2){{width:400px}}</style>
+</head><body><h1>MegaScan detection</h1>
+<p>{len(detection.data.world)} ranks, DP={sizes.get('dp')} PP={sizes.get('pp')} TP={sizes.get('tp')};
+verdict: <b>{html.escape(detection.verdict)}</b></p>
+<h2>Suspects</h2>{_suspects(detection)}
+<h2>Slowness heatmap</h2><p>White = like its peers, red = slower, blue = faster.</p>{_heatmap(detection)}
+<h2>Iteration time</h2>{_iteration_bars(detection)}
+<h2>Notes</h2><ul>{notes}</ul></body></html>
+"""
+
+
+def write_html(detection: Detection, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(render(detection))
+    return path

@@ -1,0 +1,129 @@
+"""The detectors' input: compact per-rank tables (compute instances, collective arrivals, P2P
+messages, iteration times) built from an aligned aggregation or from online window summaries."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from megatron.scan.trace_format import FLAG_ASYNC, FLAG_BACKWARD, FLAG_INSTANT
+
+COMPUTE_KINDS = ("forward", "backward")
+# Spans during which a rank waits for others or moves data; the time between them is its own work.
+WAIT_KINDS = ("recv", "send", "data", "grad_sync", "optimizer")
+
+
+@dataclass(kw_only=True)
+class RankRole:
+    rank: int
+    dp: int
+    pp: int
+    tp: int
+
+    @property
+    def coordinates(self) -> str:
+        return f"{self.dp}-{self.pp}-{self.tp}"
+
+
+@dataclass(kw_only=True)
+class DetectionInput:
+    """All times in ns on one (aligned) clock. Arrays of one table have equal length."""
+
+    roles: dict[int, RankRole]
+    sizes: dict[str, int]
+    # compute instances: one row per forward/backward task of a rank
+    compute: dict[str, np.ndarray]  # rank, iteration, kind (0 F, 1 B), chunk, microbatch, start, busy
+    # collective participations: one row per (instance, rank)
+    collectives: dict[str, np.ndarray]  # instance, rank, arrive, end, group_size, kind (index into group_kinds)
+    group_kinds: list[str]
+    # matched P2P messages
+    p2p: dict[str, np.ndarray]  # src, dst, iteration, backward, send_start, send_end, recv_start, recv_end, bytes
+    iteration_time: dict[str, np.ndarray]  # rank, iteration, start, end
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def world(self) -> list[int]:
+        return sorted(self.roles)
+
+    def label(self, rank: int) -> str:
+        r = self.roles[rank]
+        return f"rank {rank} (DP{r.dp}-PP{r.pp}-TP{r.tp})"
+
+
+def _empty(names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    return {n: np.zeros(0, dtype=np.int64) for n in names}
+
+
+COMPUTE_COLUMNS = ("rank", "iteration", "kind", "chunk", "microbatch", "start", "busy")
+COLLECTIVE_COLUMNS = ("instance", "rank", "arrive", "end", "group_size", "kind")
+P2P_COLUMNS = ("src", "dst", "iteration", "backward", "send_start", "send_end", "recv_start", "recv_end", "bytes")
+ITERATION_COLUMNS = ("rank", "iteration", "start", "end")
+
+
+def busy_compute(rank: np.ndarray, name: np.ndarray, start: np.ndarray, end: np.ndarray, flags: np.ndarray,
+                 group: np.ndarray, compute_ids: np.ndarray, wait_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Busy time of every compute span: from its start to the next non-nested event of the same rank,
+    minus the synchronous collectives that started inside. The trailing gap counts because work the
+    tracer does not see (an interfering kernel, a slowdown injected after the span) still delays
+    the rank; collectives are subtracted because a rank waiting for a slow TP peer is not slow.
+    Returns (rows of compute spans, busy ns)."""
+    rows = np.flatnonzero(np.isin(name, compute_ids))
+    busy = np.zeros(len(rows), dtype=np.int64)
+    instant = (flags & FLAG_INSTANT) > 0
+    boundary = np.isin(name, np.concatenate([compute_ids, wait_ids])) & ~instant
+    synchronous_collective = (group >= 0) & ((flags & FLAG_ASYNC) == 0) & ~instant
+    for r in np.unique(rank[rows]):
+        mine = rows[rank[rows] == r]
+        b = np.flatnonzero((rank == r) & boundary)
+        b_start = np.sort(start[b])
+        cr = np.flatnonzero((rank == r) & synchronous_collective)
+        order = np.argsort(start[cr])
+        c_start, c_end = start[cr][order], end[cr][order]
+        for i, row in zip(np.flatnonzero(rank[rows] == r), mine):
+            nxt = np.searchsorted(b_start, end[row], side="left")
+            stop = b_start[nxt] if nxt < len(b_start) else end[row]
+            lo, hi = np.searchsorted(c_start, start[row], "left"), np.searchsorted(c_start, stop, "left")
+            # Clipped to the busy window: a collective running past it is not this task's wait.
+            waited = int(np.clip(np.minimum(c_end[lo:hi], stop) - c_start[lo:hi], 0, None).sum())
+            busy[np.searchsorted(rows, row)] = max(int(stop - start[row] - waited), 1)
+    return rows, busy
+
+
+def from_aggregation(aggregation: Any) -> DetectionInput:
+    """Tables from an `Aggregation` (loaded, matched and clock-aligned trace directory)."""
+    trace, collectives, p2p = aggregation.trace, aggregation.collectives, aggregation.p2p
+    c = trace.columns
+    roles = {r: RankRole(rank=r, **{k: int(h["coordinates"][k]) for k in ("dp", "pp", "tp")})
+             for r, h in trace.ranks.items()}
+    first = next(iter(trace.ranks.values()))
+    sizes = {k: int(first["sizes"][k]) for k in ("dp", "pp", "tp")}
+    compute_ids = trace.ids(COMPUTE_KINDS)
+    wait_ids = trace.ids(WAIT_KINDS)
+    rows, busy = busy_compute(c["rank"], c["name"], c["start"], c["end"], c["flags"], c["group"], compute_ids,
+                              wait_ids)
+    backward_id = trace.name_id("backward")
+    compute = {"rank": c["rank"][rows].astype(np.int64), "iteration": c["iteration"][rows].astype(np.int64),
+               "kind": (c["name"][rows] == backward_id).astype(np.int64), "chunk": c["chunk"][rows].astype(np.int64),
+               "microbatch": c["microbatch"][rows].astype(np.int64), "start": c["start"][rows], "busy": busy}
+    # Collectives: complete, synchronous instances with two or more members only.
+    keep_instance = collectives.complete & collectives.synchronous & (collectives.members >= 2) & ~collectives.op_mismatch
+    crow = np.flatnonzero(collectives.row_instance >= 0)
+    crow = crow[keep_instance[collectives.row_instance[crow]]]
+    kinds = sorted({g.get("desc") or g.get("name", "?") for g in trace.groups}) if trace.groups else []
+    kind_of_group = np.array([kinds.index(g.get("desc") or g.get("name", "?")) for g in trace.groups] + [-1], np.int64)
+    inst = collectives.row_instance[crow]
+    coll = {"instance": inst, "rank": c["rank"][crow].astype(np.int64), "arrive": c["start"][crow],
+            "end": c["end"][crow], "group_size": collectives.expected[inst].astype(np.int64),
+            "kind": kind_of_group[collectives.group[inst]]}
+    s, r = p2p.send_rows, p2p.recv_rows
+    messages = {"src": c["rank"][s].astype(np.int64), "dst": c["rank"][r].astype(np.int64),
+                "iteration": c["iteration"][r].astype(np.int64),
+                "backward": ((c["flags"][r] & FLAG_BACKWARD) > 0).astype(np.int64),
+                "send_start": c["start"][s], "send_end": c["end"][s], "recv_start": c["start"][r],
+                "recv_end": c["end"][r], "bytes": c["bytes"][r].astype(np.int64)}
+    it = np.flatnonzero(c["name"] == trace.name_id("iteration")) if trace.name_id("iteration") >= 0 else np.zeros(0, int)
+    iterations = {"rank": c["rank"][it].astype(np.int64), "iteration": c["iteration"][it].astype(np.int64),
+                  "start": c["start"][it], "end": c["end"][it]}
+    return DetectionInput(roles=roles, sizes=sizes, compute=compute, collectives=coll, group_kinds=kinds, p2p=messages,
+                          iteration_time=iterations, warnings=list(trace.warnings))

@@ -1,0 +1,90 @@
+"""Detection outputs: DIR/abnormal.json (machine-readable), DIR/abnormal.txt (`<rank> <dp>-<pp>-<tp>`
+per suspect rank, the seed's format) and a short human-readable report."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from megatron.scan.detect.combine import Detection, _plain
+
+FORMAT = "megascan-abnormal"
+VERSION = 1
+
+
+def as_dict(detection: Detection) -> dict[str, Any]:
+    data = detection.data
+    suspects = []
+    for s in detection.suspects:
+        entry = {"kind": s.kind, "ranks": s.ranks, "coordinates": [data.roles[r].coordinates for r in s.ranks],
+                 "confidence": s.confidence, "slowdown": _plain(s.slowdown), "evidence": s.evidence,
+                 "what_if": _plain(s.what_if), "details": s.details}
+        suspects.append(entry)
+    return {
+        "format": FORMAT, "version": VERSION, "verdict": detection.verdict,
+        "sizes": data.sizes, "ranks": data.world,
+        "suspects": suspects,
+        "stages": {
+            "compute": {"noise": _plain(detection.compute.noise), "cannot_compare": detection.compute.cannot_compare,
+                        "ranks": {str(r): _plain(f) for r, f in sorted(detection.compute.findings.items())}},
+            "arrival": {"instances": detection.arrival.instances,
+                        "ranks": {str(r): _plain(f) for r, f in sorted(detection.arrival.findings.items())}},
+            "pipeline": {"links": [_plain(link) for link in detection.pipeline.links.values()],
+                         "producer_wait_ms": _plain(detection.pipeline.producer_wait_ms),
+                         "receive_wait_ms": _plain(detection.pipeline.receive_wait_ms)},
+        },
+        "notes": detection.notes,
+    }
+
+
+def suspect_ranks(detection: Detection) -> list[int]:
+    """Ranks named as slow (link suspects are in abnormal.json only: a link is not a GPU)."""
+    seen: list[int] = []
+    for s in detection.suspects:
+        if s.kind == "rank" and s.ranks[0] not in seen:
+            seen.append(s.ranks[0])
+    return seen
+
+
+def text_report(detection: Detection) -> str:
+    data = detection.data
+    sizes = data.sizes
+    lines = [f"MegaScan detection: {len(data.world)} ranks (DP={sizes.get('dp')} PP={sizes.get('pp')} "
+             f"TP={sizes.get('tp')}), verdict: {detection.verdict}"]
+    if not detection.suspects:
+        lines.append("no suspect: no rank is significantly slower than its peers, no link is slow"
+                     if detection.verdict == "healthy" else "no suspect could be named")
+    for i, s in enumerate(detection.suspects, 1):
+        what = data.label(s.ranks[0]) if s.kind == "rank" else f"link {s.ranks[0]} -> {s.ranks[1]}"
+        lines.append(f"{i}. {what}: confidence {s.confidence:.2f}, {s.slowdown:.2f}x")
+        lines.extend(f"     - {e}" for e in s.evidence)
+        if s.what_if:
+            lines.append(f"     - what-if: iteration {s.what_if['measured_ms']:.1f} ms -> {s.what_if['healthy_ms']:.1f} ms "
+                         f"if healthy; this {s.kind} costs the job {s.what_if['cost_percent']:.1f}%")
+    for note in detection.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def write_outputs(detection: Detection, directory: str | os.PathLike, *, html: bool = True) -> dict[str, Path]:
+    """abnormal.json, abnormal.txt, detection.txt (and report.html) into `directory`."""
+    directory = Path(directory)
+    paths = {"json": directory / "abnormal.json", "txt": directory / "abnormal.txt",
+             "report": directory / "detection.txt"}
+    _atomic_write(paths["json"], json.dumps(as_dict(detection), indent=1))
+    roles = detection.data.roles
+    _atomic_write(paths["txt"], "".join(f"{r} {roles[r].coordinates}\n" for r in suspect_ranks(detection)))
+    _atomic_write(paths["report"], text_report(detection) + "\n")
+    if html:
+        from megatron.scan.detect.html import write_html
+
+        paths["html"] = write_html(detection, directory / "report.html")
+    return paths
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    # Readers (a dashboard, a scheduler draining nodes) never see half a file.
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
