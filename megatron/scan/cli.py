@@ -67,18 +67,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("directory")
     p.add_argument("-o", "--output", default=None, help="Chrome trace to write (default: DIR/merged_trace.json)")
     add_aggregate_arguments(p)
+    from megatron.scan import hang as hang_command
+
+    hang_command.add_arguments(commands.add_parser("hang", help="merge per-rank hang dumps: which rank is stuck where"))
     s = commands.add_parser("synthesize", help="write synthetic 3D-parallel traces (tests, benchmarks)")
     from megatron.scan.synthetic import add_arguments as add_synthetic_arguments
 
     add_synthetic_arguments(s)
-    from megatron.scan.detect.cli import add_detect_parser
-
-    add_detect_parser(commands)
     args = parser.parse_args(argv)
-    if args.command == "detect":
-        from megatron.scan.detect.cli import run_detect
-
-        return run_detect(args)
+    if args.command == "hang":
+        return hang_command.run(args)
     if args.command == "aggregate":
         import os
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -36,6 +37,10 @@ class GroupInfo:
     ranks: tuple[int, ...]
     desc: str
     seq: int = 0
+    # For the hang watchdog: (op, seq, monotonic seconds at entry) of a call that has not returned,
+    # and (op, seq) of the last one that did (for async_op calls: was issued).
+    in_flight: tuple[str, int, float] | None = None
+    last_completed: tuple[str, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "ranks": list(self.ranks), "desc": self.desc}
@@ -63,6 +68,9 @@ class CollectiveObserver:
         self._originals: dict[str, Callable] = {}
         self._wrappers: dict[int, Callable] = {}  # id(original) -> wrapper
         self._rebound: list[tuple[Any, str, Any]] = []
+        # Called as listener(op, group_info, seq, start_ns, end_ns) with host perf_counter_ns times
+        # after every outermost call, traced window or not (watchdog progress, live metrics).
+        self.listeners: list[Callable[[str, GroupInfo, int, int, int], None]] = []
 
     # --- groups ---------------------------------------------------------------------
     def group_info(self, group: Any) -> GroupInfo:
@@ -102,24 +110,36 @@ class CollectiveObserver:
             except Exception:  # a group this rank is not in: nothing to count or record
                 return original(*args, **kwargs)
             info.seq += 1
-            if not observer.recording:
+            recording = observer.recording
+            if not recording and not observer.listeners:
                 return original(*args, **kwargs)
-            async_op = kwargs.get("async_op", args[async_index] if async_index is not None and len(args) > async_index else False)
-            size, dtype = 0, None
-            for value in (*args, *kwargs.values()):
-                candidate = _tensor_size(value)
-                if candidate[0] > size:
-                    size, dtype = candidate
+            seq = info.seq - 1
+            size, dtype, async_op = 0, None, False
+            if recording:
+                async_op = kwargs.get("async_op", args[async_index] if async_index is not None and len(args) > async_index else False)
+                for value in (*args, *kwargs.values()):
+                    candidate = _tensor_size(value)
+                    if candidate[0] > size:
+                        size, dtype = candidate
             observer._depth += 1
-            start = observer.now()
+            info.in_flight = (op, seq, time.monotonic())
+            host_start = time.perf_counter_ns()
+            start = observer.now() if recording else host_start
             try:
                 return original(*args, **kwargs)
             finally:
-                end = observer.now()
+                end = observer.now() if recording else None
+                host_end = time.perf_counter_ns()
                 observer._depth -= 1
-                observer.sink(op, start, end, size, dtype, info.gid, info.seq - 1, FLAG_ASYNC if async_op else 0)
+                info.in_flight = None
+                info.last_completed = (op, seq)
+                if recording:
+                    observer.sink(op, start, end, size, dtype, info.gid, seq, FLAG_ASYNC if async_op else 0)
+                for listener in observer.listeners:
+                    listener(op, info, seq, host_start, host_end)
 
         wrapper.__megascan_original__ = original  # type: ignore[attr-defined]
+        wrapper.__megascan_observer__ = observer  # type: ignore[attr-defined]
         return wrapper
 
     def install(self, alias_module_prefixes: Iterable[str] = ("megatron",)) -> None:
@@ -163,3 +183,9 @@ class CollectiveObserver:
     @property
     def installed(self) -> bool:
         return bool(self._originals)
+
+
+def installed_observer() -> CollectiveObserver | None:
+    """The observer whose wrappers torch.distributed currently holds, so that a second consumer
+    (watchdog, metrics) listens to it instead of wrapping the wrappers."""
+    return getattr(getattr(dist.distributed_c10d, "all_reduce", None), "__megascan_observer__", None)
