@@ -74,7 +74,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from megatron.scan.synthetic import add_arguments as add_synthetic_arguments
 
     add_synthetic_arguments(s)
+    from megatron.scan.detect.cli import add_detect_parser
+
+    add_detect_parser(commands)
     args = parser.parse_args(argv)
+    if args.command == "detect":
+        from megatron.scan.detect.cli import run_detect
+
+        return run_detect(args)
     if args.command == "hang":
         return hang_command.run(args)
     if args.command == "aggregate":
