@@ -264,6 +264,8 @@ class ScopePlugin(Plugin):
             self._start_service(port, "generate")
         self.service.mode = "generate"
         self.service.on_train = None
+        print(f"[MegaScope] training done; serving generation on the trained model at {self.service.server.url} "
+              "(Ctrl-C to stop)", flush=True)
         try:
             self.service.serve_forever()
         except KeyboardInterrupt:

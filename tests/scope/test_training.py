@@ -40,7 +40,7 @@ def _launch():
     return subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _wait_for_url(process, timeout: float = 150) -> str:
+def _wait_for_url(process, timeout: float = 150, pattern: str = r"open (http://\S+)") -> str:
     deadline = time.monotonic() + timeout
     seen = []
     while time.monotonic() < deadline:
@@ -48,10 +48,10 @@ def _wait_for_url(process, timeout: float = 150) -> str:
         if not line:
             break
         seen.append(line)
-        match = re.search(r"open (http://\S+)", line)
+        match = re.search(pattern, line)
         if match:
-            return match.group(1)
-    raise AssertionError("no MegaScope URL printed:\n" + "".join(seen[-40:]))
+            return match.group(match.lastindex or 0)
+    raise AssertionError(f"no line matching {pattern!r} printed:\n" + "".join(seen[-40:]))
 
 
 async def _next(ws, wanted: set[str], timeout: float = 60):
@@ -118,3 +118,38 @@ def test_training_mode_pause_step_generate_and_finish():
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_enable_ws_server_serves_generation_after_training():
+    import signal
+
+    command = [sys.executable, "pretrain_gpt.py", *ARGS[:ARGS.index("--pipeline-model-parallel-size")],
+               "--train-iters", "2", "--enable-ws-server", "--training-ws-port", "0", "--ws-token", "after"]
+    process = subprocess.Popen(command, cwd=ROOT, env={k: v for k, v in env().items() if k != "MASTER_PORT"},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port = int(re.search(r":(\d+)/", _wait_for_url(process)).group(1))
+        _wait_for_url(process, pattern=r"training done; serving generation")
+
+        async def drive():
+            async with aiohttp.ClientSession() as session:
+                async with session.ws_connect(f"ws://127.0.0.1:{port}/ws?token=after") as ws:
+                    await _next(ws, {"hello"})
+                    await ws.send_str(json.dumps({"type": "generate", "id": 9, "prompts": ["hi"], "max_new_tokens": 3}))
+                    done = await _next(ws, {"done"})
+                    assert done["request"] == 9 and done["steps"] == 3
+        asyncio.run(asyncio.wait_for(drive(), 120))
+        process.send_signal(signal.SIGINT)  # Ctrl-C ends serving; the trainer exits cleanly
+        output, _ = process.communicate(timeout=60)
+        assert process.returncode == 0, output[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_bad_scope_flags_fail_up_front():
+    bad = subprocess.run([sys.executable, "pretrain_gpt.py", "--mock-data", "--device", "cpu",
+                          "--training-ws-port", "70000"], cwd=ROOT, env=env(), capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--training-ws-port 70000 is not a TCP port" in bad.stderr
