@@ -31,7 +31,7 @@ class Detection:
     arrival: ArrivalStage
     pipeline: PipelineStage
     suspects: list[Suspect]
-    verdict: str  # "suspects" | "healthy" | "cannot compare"
+    verdict: str  # "suspects" | "healthy" | "partial" (some ranks not comparable) | "cannot compare"
     notes: list[str] = field(default_factory=list)
 
 
@@ -96,8 +96,19 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
                                           f"({link.bandwidth_gbps:.3f} GB/s effective), {link.z:.1f} standard errors"],
                                 details={"link": _plain(link)}))
     suspects.sort(key=lambda s: (-s.confidence, s.ranks))
-    comparable = len(stage1.findings) > 0 or stage2.instances > 0 or len(stage3.links) > 0
-    verdict = "suspects" if suspects else ("healthy" if comparable else "cannot compare")
+    comparable = (any(f.method == "peers" for f in stage1.findings.values()) or stage2.instances > 0
+                  or len(stage3.links) > 0)
+    if suspects:
+        verdict = "suspects"
+    elif not comparable:
+        verdict = "cannot compare"
+    else:
+        # No suspect, but a rank whose compute nothing could be compared with may still be slow.
+        history_only = [r for r, f in stage1.findings.items() if f.method == "history"]
+        if history_only:
+            notes.append(f"rank(s) {sorted(history_only)} have no peer and were compared only with their own earlier "
+                         f"iterations: a slowdown present from the first traced iteration cannot be seen")
+        verdict = "partial" if stage1.cannot_compare or history_only else "healthy"
     if verdict == "cannot compare":
         notes.append("cannot compare: no rank has a peer, a collective partner, a pipeline link or enough history "
                      "(a single rank, DP=TP=PP=1, or traces without compute spans and collectives)")

@@ -50,7 +50,7 @@ def _noise(log_busy: np.ndarray, keys: np.ndarray) -> float:
     return max(_MAD * float(np.median(np.abs(residual))), 0.01)
 
 
-def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: float = 4.0,
+def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: float = 3.5,
                     min_slowdown: float = 1.1, min_share: float = 0.0) -> ComputeStage:
     """Per task instance (iteration, kind, chunk, microbatch) and stage, each rank's log busy time
     minus the median of its peers'. An instance is slow past `z_instance` noise; a rank is flagged
