@@ -3,6 +3,7 @@ the stacks of all its threads and its per-group collective state into the trace 
 running); uncaught exceptions and fatal signals are written there too, with rank and stack."""
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
@@ -278,7 +279,19 @@ class CrashCapture:
             if number is not None and signal.getsignal(number) in (signal.SIG_DFL, None):
                 faulthandler.register(number, file=self._fatal_file, all_threads=True, chain=True)
         self.installed = True
+        # A process that ends without shutdown (an uncaught exception) must not leave an empty file.
+        atexit.register(self._remove_empty_fatal_file)
         return self
+
+    def _remove_empty_fatal_file(self) -> None:
+        if self._fatal_file is None:
+            return
+        path = Path(self._fatal_file.name)
+        try:
+            if path.stat().st_size <= self._fatal_header:
+                path.unlink()
+        except OSError:
+            pass
 
     def write_exception(self, exc_type, exc, tb, thread_name: str) -> Path:
         path = crash_path(self.directory, self.rank)
@@ -323,13 +336,9 @@ class CrashCapture:
                 except (ValueError, RuntimeError):
                     pass
         faulthandler.disable()
-        path = Path(self._fatal_file.name)
         self._fatal_file.close()
-        try:
-            if path.stat().st_size <= self._fatal_header:
-                path.unlink()
-        except OSError:
-            pass
+        self._remove_empty_fatal_file()
+        atexit.unregister(self._remove_empty_fatal_file)
 
 
 # ------------------------------------------------------------------------------ trainer plugin
