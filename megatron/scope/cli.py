@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model for live inspection during generation")
     source = serve.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", help="checkpoint directory written by pretrain_gpt.py --save")
-    source.add_argument("--hf-gpt2", help="local Hugging Face GPT-2 directory (config.json, weights, vocab.json, merges.txt)")
+    source.add_argument("--hf-gpt2",
+                        help="local Hugging Face GPT-2 directory (config.json, weights, vocab.json, merges.txt)")
     source.add_argument("--random-model", action="store_true", help="a freshly initialised model (demo/testing)")
     add_server_arguments(serve)
     g = serve.add_argument_group("layout (any TP x PP, whatever the checkpoint was saved with; launch "

@@ -62,15 +62,17 @@ def megatron_state(hf: dict[str, torch.Tensor], config: dict, padded_vocab: int)
         # megatron-core groups the fused projection per head: [q_h; k_h; v_h] for each head h.
         qkv_weight = qkv_weight.view(3, heads, head_dim, hidden).transpose(0, 1).reshape(3 * hidden, hidden)
         qkv_bias = qkv_bias.view(3, heads, head_dim).transpose(0, 1).reshape(3 * hidden)
-        state.update({
-            dst + "input_layernorm.weight": hf[src + "ln_1.weight"], dst + "input_layernorm.bias": hf[src + "ln_1.bias"],
-            dst + "self_attention.linear_qkv.weight": qkv_weight, dst + "self_attention.linear_qkv.bias": qkv_bias,
-            dst + "self_attention.linear_proj.weight": hf[src + "attn.c_proj.weight"].t(),
-            dst + "self_attention.linear_proj.bias": hf[src + "attn.c_proj.bias"],
-            dst + "pre_mlp_layernorm.weight": hf[src + "ln_2.weight"], dst + "pre_mlp_layernorm.bias": hf[src + "ln_2.bias"],
-            dst + "mlp.linear_fc1.weight": hf[src + "mlp.c_fc.weight"].t(), dst + "mlp.linear_fc1.bias": hf[src + "mlp.c_fc.bias"],
-            dst + "mlp.linear_fc2.weight": hf[src + "mlp.c_proj.weight"].t(), dst + "mlp.linear_fc2.bias": hf[src + "mlp.c_proj.bias"],
-        })
+        renamed = {
+            "input_layernorm": ("ln_1", False), "pre_mlp_layernorm": ("ln_2", False),
+            "self_attention.linear_proj": ("attn.c_proj", True), "mlp.linear_fc1": ("mlp.c_fc", True),
+            "mlp.linear_fc2": ("mlp.c_proj", True),
+        }
+        for target, (source, transposed) in renamed.items():
+            weight = hf[src + source + ".weight"]
+            state[dst + target + ".weight"] = weight.t() if transposed else weight
+            state[dst + target + ".bias"] = hf[src + source + ".bias"]
+        state[dst + "self_attention.linear_qkv.weight"] = qkv_weight
+        state[dst + "self_attention.linear_qkv.bias"] = qkv_bias
     return state
 
 

@@ -204,7 +204,8 @@ class PerturbationHooks:
                 handles.append(layer.register_forward_hook(self._layer_output_hook(p, index, number)))
             else:
                 attention = layer.self_attention.core_attention
-                handles.append(attention.register_forward_hook(self._sequence_hook(p, index, number, "attention", True)))
+                hook = self._sequence_hook(p, index, number, "attention", True)
+                handles.append(attention.register_forward_hook(hook))
                 if not p.heads:
                     handles.append(layer.mlp.linear_fc2.register_forward_hook(
                         self._sequence_hook(p, index, number, "mlp", False)))

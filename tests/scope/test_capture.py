@@ -47,7 +47,8 @@ def test_captures_equal_tensors_read_from_the_model(tiny_model):
         got = result.captures[kind]  # [layers, batch, positions, width]
         want = torch.stack(expected[kind]).transpose(1, 2)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"capture {kind}")
-    logits = tiny_model.runner.module(tokens, torch.arange(tokens.shape[1])[None], causal_mask(tokens.shape[1], torch.device("cpu")))
+    seq = tokens.shape[1]
+    logits = tiny_model.runner.module(tokens, torch.arange(seq)[None], causal_mask(seq, torch.device("cpu")))
     torch.testing.assert_close(result.logits, logits.detach())
     attention = result.captures["attention"]  # [layers, batch, heads, query, key]
     assert attention.shape == (3, 1, 4, tokens.shape[1], tokens.shape[1])

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers", reason="the GPT-2 importer te
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in character for each byte (written out here, not imported)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     mapping, extra = {}, 0
     for byte in range(256):
         if byte in printable:
@@ -31,7 +31,8 @@ def gpt2_dir(tmp_path_factory):
     (directory / "vocab.json").write_text(json.dumps(vocab))
     (directory / "merges.txt").write_text("#version: 0.2\n")
     config = transformers.GPT2Config(vocab_size=len(vocab), n_positions=64, n_embd=48, n_layer=3, n_head=4,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=256, eos_token_id=256)
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=256, eos_token_id=256)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval()
     with torch.no_grad():  # biases and norms away from their 0/1 init, so a mix-up would show

@@ -28,10 +28,11 @@ def test_tp2_pp2_captures_match_single_rank(tmp_path):
     # In-process fixtures of this session set MASTER_PORT for their own store; a fresh one-rank
     # job must pick its own.
     clean = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    single = subprocess.run([sys.executable, str(WORKER), "--load", checkpoint, "--out", str(tmp_path / "single.pt")], cwd=ROOT, env=clean,
-                            capture_output=True, text=True, timeout=240)
+    single = subprocess.run([sys.executable, str(WORKER), "--load", checkpoint, "--out", str(tmp_path / "single.pt")],
+                            cwd=ROOT, env=clean, capture_output=True, text=True, timeout=240)
     assert single.returncode == 0, single.stderr[-3000:]
-    parallel = torchrun(WORKER, ["--load", checkpoint, "--tp", "2", "--pp", "2", "--out", str(tmp_path / "tp2pp2.pt")], nproc=4, timeout=300)
+    parallel = torchrun(WORKER, ["--load", checkpoint, "--tp", "2", "--pp", "2", "--out", str(tmp_path / "tp2pp2.pt")],
+                        nproc=4, timeout=300)
     assert parallel.returncode == 0, parallel.stderr[-3000:]
     want = torch.load(tmp_path / "single.pt")
     got = torch.load(tmp_path / "tp2pp2.pt")

@@ -9,10 +9,11 @@ import threading
 import pytest
 
 aiohttp = pytest.importorskip("aiohttp", reason="the MegaScope server needs aiohttp (pip install aiohttp)")
+# noqa below: the server modules import aiohttp, so they come after the skip.
 
-from megatron.scope.codec import decode_frame
-from megatron.scope.server import ServerConfig
-from megatron.scope.service import ScopeService
+from megatron.scope.codec import decode_frame  # noqa: E402
+from megatron.scope.server import ServerConfig  # noqa: E402
+from megatron.scope.service import ScopeService  # noqa: E402
 
 
 @pytest.fixture()

@@ -98,7 +98,8 @@ def test_training_mode_pause_step_generate_and_finish():
                     await ws.send_str(json.dumps({"type": "train", "action": "step", "perturbations": [
                         {"kind": "calculation", "type": "gaussian", "intensity": 0.5, "layers": [1]}]}))
                     metrics = await _next(ws, {"train_metrics"})
-                    assert metrics["point"]["iteration"] == 2 and all(n > 0 for n in metrics["point"]["layer_grad_norms"])
+                    point = metrics["point"]
+                    assert point["iteration"] == 2 and all(n > 0 for n in point["layer_grad_norms"])
                     if _browser_ready():  # the training tab in a real browser steps iteration 3
                         browser = await asyncio.to_thread(
                             subprocess.run, ["node", "e2e/training.e2e.mjs", url, str(ARTIFACTS), "3"],
