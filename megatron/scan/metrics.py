@@ -1,0 +1,290 @@
+"""Live Prometheus metrics per rank (`--metrics-port PORT`, port PORT + local rank): iteration time,
+span and collective latency by op and group kind, P2P bytes and bandwidth, hang flag and suspect
+score. Every label set is bounded by the job's shape, never by microbatch or iteration."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from megatron.app.plugins import Plugin, register_plugin
+from megatron.scan.collectives import GroupInfo
+from megatron.scan.watchdog import shared_collective_observer, write_json_atomically
+
+# The spine's span kinds worth a latency summary; any other kind is ignored so that a new span in
+# the trainer cannot grow the label set unnoticed.
+SPAN_KINDS = frozenset({"data", "forward", "backward", "send", "recv", "grad_sync", "optimizer"})
+COMPUTE_KINDS = frozenset({"forward", "backward"})
+# Megatron group descriptions -> a short, bounded group kind.
+_GROUP_KINDS = (("TENSOR_AND_DATA", "tp_dp"), ("TENSOR", "tp"), ("PIPELINE", "pp"), ("EMBEDDING", "embedding"),
+                ("POSITION", "embedding"), ("CONTEXT", "cp"), ("EXPERT", "ep"), ("DATA", "dp"))
+
+
+def group_kind(info: GroupInfo, world_size: int) -> str:
+    desc = (info.desc or "").upper()
+    for needle, kind in _GROUP_KINDS:
+        if needle in desc:
+            return kind
+    return "world" if len(info.ranks) == world_size else "other"
+
+
+class RankMetrics:
+    """The series of one rank in its own registry (a process serves exactly its own rank)."""
+
+    def __init__(self, identity: dict[str, Any]) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Info, Summary
+
+        self.identity = identity
+        self.rank = str(identity["rank"])
+        self.world_size = int(identity.get("world_size") or 1)
+        self.registry = CollectorRegistry()
+        r = self.registry
+        Info("megascan_rank", "where this rank sits in the job", ["rank"], registry=r).labels(self.rank).info(
+            {"host": str(identity.get("host", "")), "world_size": str(self.world_size),
+             **{k: str(v) for k, v in (identity.get("coordinates") or {}).items()}})
+        self.iteration_seconds = Summary("megascan_iteration_seconds", "wall time of one training iteration",
+                                         ["rank"], registry=r).labels(self.rank)
+        self.iterations = Counter("megascan_iterations", "training iterations finished", ["rank"], registry=r).labels(self.rank)
+        self.tokens = Counter("megascan_tokens", "tokens processed by this rank", ["rank"], registry=r).labels(self.rank)
+        self.loss = Gauge("megascan_loss", "last training loss (last pipeline stage only)", ["rank"], registry=r).labels(self.rank)
+        self.compute_seconds = Summary("megascan_compute_seconds", "forward + backward time per iteration",
+                                       ["rank"], registry=r).labels(self.rank)
+        self._span = Summary("megascan_span_seconds", "latency of trainer spans by kind", ["rank", "kind"], registry=r)
+        self._collective = Summary("megascan_collective_seconds", "latency of torch.distributed collectives "
+                                   "(async ones: time to issue)", ["rank", "op", "group_kind"], registry=r)
+        self._p2p_bytes = Counter("megascan_p2p_bytes", "P2P bytes", ["rank", "direction"], registry=r)
+        self._p2p_bandwidth = Gauge("megascan_p2p_bandwidth_bytes_per_second",
+                                    "bytes / span time of the last P2P message (recv: includes waiting)",
+                                    ["rank", "direction"], registry=r)
+        self.hang = Gauge("megascan_hang", "1 while the watchdog sees no progress for --hang-timeout",
+                          ["rank"], registry=r).labels(self.rank)
+        self.stalled = Gauge("megascan_seconds_since_progress", "seconds since the last finished collective, "
+                             "span or iteration", ["rank"], registry=r).labels(self.rank)
+        self.suspect = Gauge("megascan_suspect_score", "this rank's compute time / the job median "
+                             "(1 = typical, 1.5 = 50% slower)", ["rank"], registry=r).labels(self.rank)
+        self._spans = {kind: self._span.labels(self.rank, kind) for kind in SPAN_KINDS}
+        self._collectives: dict[tuple[str, int], Any] = {}
+        self._p2p = {d: (self._p2p_bytes.labels(self.rank, d), self._p2p_bandwidth.labels(self.rank, d))
+                     for d in ("send", "recv")}
+        self._compute_this_iteration = 0.0
+        self.server = None
+        self.port = None
+
+    # --- feeding ------------------------------------------------------------------------
+    def on_collective(self, op: str, info: GroupInfo, seq: int, start_ns: int, end_ns: int) -> None:
+        key = (op, info.gid)
+        child = self._collectives.get(key)
+        if child is None:
+            child = self._collectives[key] = self._collective.labels(self.rank, op, group_kind(info, self.world_size))
+        child.observe((end_ns - start_ns) * 1e-9)
+
+    def on_span(self, kind: str, attrs: dict[str, Any], seconds: float) -> None:
+        child = self._spans.get(kind)
+        if child is None:
+            return
+        child.observe(seconds)
+        if kind in COMPUTE_KINDS:
+            self._compute_this_iteration += seconds
+        elif kind in ("send", "recv"):
+            size = attrs.get("bytes", -1)
+            if size and size > 0:
+                counter, bandwidth = self._p2p[kind]
+                counter.inc(size)
+                if seconds > 0:
+                    bandwidth.set(size / seconds)
+
+    def on_iteration(self, metrics: dict[str, Any]) -> float:
+        """Record one finished iteration; returns its compute seconds (for the suspect score)."""
+        self.iterations.inc()
+        if metrics.get("iteration_time") is not None:
+            self.iteration_seconds.observe(metrics["iteration_time"])
+        if metrics.get("num_tokens"):
+            self.tokens.inc(float(metrics["num_tokens"]))
+        if metrics.get("lm loss") is not None:
+            self.loss.set(float(metrics["lm loss"]))
+        compute, self._compute_this_iteration = self._compute_this_iteration, 0.0
+        if compute > 0:
+            self.compute_seconds.observe(compute)
+        return compute
+
+    def on_hang(self, hung: bool) -> None:
+        self.hang.set(1 if hung else 0)
+
+    # --- serving ------------------------------------------------------------------------
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        from prometheus_client import start_http_server
+
+        started = start_http_server(port, addr=addr, registry=self.registry)
+        server = started[0] if isinstance(started, tuple) else None
+        self.server = server
+        self.port = server.server_port if server is not None else port
+        return self.port
+
+    def write_target(self, directory: str | os.PathLike) -> Path:
+        """A Prometheus file_sd entry for this rank: point `file_sd_configs` at DIR/metrics-targets-*.json
+        and ephemeral ports (`--metrics-port 0`) are found without configuration."""
+        import socket
+
+        path = Path(directory) / f"metrics-targets-rank{self.rank}.json"
+        write_json_atomically(path, [{"targets": [f"{socket.gethostname()}:{self.port}"],
+                                      "labels": {"megascan_rank": self.rank}}])
+        return path
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
+class _TimedSpan:
+    __slots__ = ("metrics", "kind", "attrs", "start")
+
+    def __init__(self, metrics: RankMetrics, kind: str, attrs: dict[str, Any]) -> None:
+        self.metrics, self.kind, self.attrs = metrics, kind, attrs
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> bool:
+        self.metrics.on_span(self.kind, self.attrs, time.perf_counter() - self.start)
+        return False
+
+
+class MetricsSpans:
+    """Observer feeding span latencies into the rank's metrics (host time: on CUDA a span's host
+    time is its launch time unless the span synchronizes, as P2P waits do)."""
+
+    _null = None
+
+    def __init__(self, metrics: RankMetrics) -> None:
+        import contextlib
+
+        self.metrics = metrics
+        self._null = contextlib.nullcontext()
+
+    def span(self, kind: str, **attrs: Any):
+        if kind not in SPAN_KINDS:
+            return self._null
+        return _TimedSpan(self.metrics, kind, attrs)
+
+    def instant(self, kind: str, **attrs: Any) -> None:
+        return None
+
+
+def suspect_scores(compute_seconds: list[float]) -> list[float]:
+    """Each rank's compute time over the median of all ranks (ranks with no compute count as 1)."""
+    positive = [c for c in compute_seconds if c > 0]
+    if not positive:
+        return [1.0] * len(compute_seconds)
+    median = statistics.median(positive)
+    return [c / median if c > 0 else 1.0 for c in compute_seconds]
+
+
+@register_plugin
+class MetricsPlugin(Plugin):
+    """`--metrics-port PORT`: every rank serves /metrics on PORT + its local rank (0: any free port,
+    announced in DIR/metrics-targets-rank*.json for Prometheus file_sd)."""
+
+    name = "scan_metrics"  # after "scan" and "scan_watchdog": their observer and watchdog exist by setup
+
+    def add_arguments(self, parser) -> None:
+        g = parser.add_argument_group("MegaScan live metrics")
+        g.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                       help="serve Prometheus metrics on PORT + local rank (0: ephemeral ports)")
+        g.add_argument("--metrics-addr", default="0.0.0.0", metavar="ADDR", help="address the metrics server binds")
+        g.add_argument("--metrics-score-interval", type=int, default=10, metavar="N",
+                       help="every N iterations ranks exchange compute times for the suspect score (0: never)")
+
+    def enabled(self, args) -> bool:
+        return args.metrics_port is not None
+
+    def configure(self, cfg) -> None:
+        from megatron.app.config import ConfigError
+
+        args = cfg.args
+        if not 0 <= args.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
+        if args.metrics_score_interval < 0:
+            raise ConfigError(f"--metrics-score-interval must be >= 0, got {args.metrics_score_interval}")
+        try:
+            import prometheus_client  # noqa: F401
+        except ImportError:
+            raise ConfigError("--metrics-port needs the prometheus-client package (pip install prometheus-client)") from None
+        self.args = args
+        self.metrics = None
+        self._window: list[float] = []
+
+    def setup(self, ctx) -> None:
+        from megatron.app.observer import set_observer
+        from megatron.scan.watchdog import process_identity
+
+        args = self.args
+        identity = process_identity(ctx.rank, ctx.cfg.parallel.world_size,
+                                    {"dp": ctx.dp_rank, "pp": ctx.pp_rank, "tp": ctx.tp_rank})
+        self.metrics = metrics = RankMetrics(identity)
+        port = 0 if args.metrics_port == 0 else args.metrics_port + identity["local_rank"]
+        metrics.serve(port, args.metrics_addr)
+        metrics.write_target(getattr(args, "trace_dir", "trace"))
+        print(f"[megascan] rank {ctx.rank}: metrics on :{metrics.port}/metrics", file=sys.stderr, flush=True)
+        shared_collective_observer().listeners.append(metrics.on_collective)
+        set_observer(MetricsSpans(metrics))
+        watchdog = ctx.extras.get("watchdog")
+        if watchdog is not None:
+            watchdog.hang_listeners.append(metrics.on_hang)
+            metrics.stalled.set_function(watchdog.stalled_seconds)
+
+    def after_iteration(self, ctx, iteration: int, metrics: dict[str, Any]) -> None:
+        self._window.append(self.metrics.on_iteration(metrics))
+        interval = self.args.metrics_score_interval
+        if interval and iteration % interval == 0:
+            self._exchange_scores(ctx)
+
+    def _exchange_scores(self, ctx) -> None:
+        import torch
+        import torch.distributed as dist
+
+        mean = sum(self._window) / max(1, len(self._window))
+        self._window = []
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            self.metrics.suspect.set(1.0)
+            return
+        # The unwrapped function: this bookkeeping exchange is not part of the training job, so it
+        # stays out of traces and sequence numbers (every rank skips it alike).
+        gather = getattr(dist.all_gather, "__megascan_original__", dist.all_gather)
+        values = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+        gather(values, torch.tensor([mean], dtype=torch.float64))
+        scores = suspect_scores([float(v) for v in values])
+        self.metrics.suspect.set(scores[dist.get_rank()])
+
+    def shutdown(self, ctx) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+def scrape(url: str, timeout: float = 5.0) -> dict[tuple[str, tuple], float]:
+    """Parse one /metrics page into {(sample name, sorted labels): value} (tests, tooling)."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(url, timeout=timeout) as response:
+        text = response.read().decode()
+    samples: dict[tuple[str, tuple], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def read_targets(directory: str | os.PathLike) -> dict[int, str]:
+    """rank -> host:port from the file_sd entries the ranks wrote."""
+    targets = {}
+    for path in Path(directory).glob("metrics-targets-rank*.json"):
+        entry = json.loads(path.read_text())[0]
+        targets[int(entry["labels"]["megascan_rank"])] = entry["targets"][0]
+    return targets
