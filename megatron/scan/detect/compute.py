@@ -113,7 +113,14 @@ def _finding(rank: int, method: str, peers: list[int], ratio: np.ndarray, keys: 
     slow = ratio > max(z_instance * spread, np.log(1.02))
     standard_error = 1.2533 * spread / np.sqrt(len(ratio))
     z = median / standard_error
-    flagged = bool(z > z_rank and np.exp(median) >= min_slowdown and slow.mean() >= min_share)
+    # Instances of one iteration share the host's load, so they are not independent: with enough
+    # iterations a slow rank must also be slower in most of them, not in one burst of contention.
+    iterations = np.unique(keys[:, 0])
+    consistent = True
+    if len(iterations) >= 4:
+        per_iteration = np.array([np.median(ratio[keys[:, 0] == i]) for i in iterations])
+        consistent = bool(np.mean(per_iteration > 0) >= 0.75)
+    flagged = bool(z > z_rank and np.exp(median) >= min_slowdown and slow.mean() >= min_share and consistent)
     worst = np.argsort(-ratio)[:5]
     worst_ops = [{"iteration": int(keys[i, 0]), "op": "backward" if keys[i, 1] else "forward", "chunk": int(keys[i, 2]),
                   "microbatch": int(keys[i, 3]), "slowdown": round(float(np.exp(ratio[i])), 3)} for i in worst]
