@@ -70,6 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from megatron.scan import hang as hang_command
 
     hang_command.add_arguments(commands.add_parser("hang", help="merge per-rank hang dumps: which rank is stuck where"))
+    from megatron.scan import launcher
+
+    launcher.add_arguments(commands.add_parser("launch", help="trace any torch.distributed job: launch -- torchrun ..."))
     s = commands.add_parser("synthesize", help="write synthetic 3D-parallel traces (tests, benchmarks)")
     from megatron.scan.synthetic import add_arguments as add_synthetic_arguments
 
@@ -84,6 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_detect(args)
     if args.command == "hang":
         return hang_command.run(args)
+    if args.command == "launch":
+        return launcher.run(args)
     if args.command == "aggregate":
         import os
 

@@ -1,0 +1,349 @@
+"""Zero-code-change tracing of any torch.distributed program: `python -m megatron.scan launch --
+torchrun ... script.py` (or the MEGASCAN_* environment form) writes the same per-rank trace files,
+hang dumps, crash files and metrics as the trainer, from collectives, DDP buckets and optimizer steps."""
+from __future__ import annotations
+
+import argparse
+import atexit
+import importlib.abc
+import importlib.util
+import os
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Sequence
+
+BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding megatron/
+_C10D = "torch.distributed.distributed_c10d"
+# Modules whose early `from torch.distributed import all_reduce` aliases are rebound too.
+ALIAS_PREFIXES = ("__main__", "megatron", "torch.nn.parallel", "torch.distributed.fsdp",
+                  "torch.distributed.algorithms", "torch.distributed.tensor")
+
+
+# ------------------------------------------------------------------------------ the launch command
+
+
+def launch_environment(args: argparse.Namespace, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment that arms tracing in every worker the command starts."""
+    env = dict(os.environ if base is None else base)
+    paths = [str(BOOTSTRAP_DIR), str(PACKAGE_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env["MEGASCAN_TRACE_DIR"] = str(Path(args.trace_dir).resolve())
+    env["MEGASCAN_RUN_ID"] = env.get("MEGASCAN_RUN_ID") or uuid.uuid4().hex[:16]
+    env["MEGASCAN_TRACE_INTERVAL"] = str(args.trace_interval)
+    env["MEGASCAN_CONTINUOUS_ITERATIONS"] = str(args.continuous_trace_iterations)
+    env["MEGASCAN_HANG_TIMEOUT"] = str(args.hang_timeout)
+    if args.metrics_port is not None:
+        env["MEGASCAN_METRICS_PORT"] = str(args.metrics_port)
+    return env
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace-dir", default="trace", metavar="DIR", help="where rank files, dumps and crash files go")
+    parser.add_argument("--trace-interval", type=int, default=5, metavar="N",
+                        help="a traced window starts every N optimizer steps")
+    parser.add_argument("--continuous-trace-iterations", type=int, default=2, metavar="K", help="steps per window")
+    parser.add_argument("--hang-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="dump stacks and collectives after SECONDS without progress (0: off)")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve Prometheus metrics on PORT + local rank (0: ephemeral)")
+    parser.add_argument("--print-env", action="store_true",
+                        help="print the environment-variable form instead of running COMMAND")
+    parser.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="torchrun ... script.py args")
+
+
+def run(args: argparse.Namespace) -> int:
+    command = list(args.job)
+    if command and command[0] == "--":
+        command = command[1:]
+    if args.trace_interval < 1 or not 1 <= args.continuous_trace_iterations <= args.trace_interval:
+        print("error: need --trace-interval >= 1 and 1 <= --continuous-trace-iterations <= --trace-interval",
+              file=sys.stderr)
+        return 2
+    env = launch_environment(args)
+    if args.print_env:
+        for key in ("PYTHONPATH", "MEGASCAN_TRACE_DIR", "MEGASCAN_RUN_ID", "MEGASCAN_TRACE_INTERVAL",
+                    "MEGASCAN_CONTINUOUS_ITERATIONS", "MEGASCAN_HANG_TIMEOUT", "MEGASCAN_METRICS_PORT"):
+            if key in env:
+                print(f"export {key}={env[key]}")
+        return 0
+    if not command:
+        print("error: nothing to launch; usage: python -m megatron.scan launch [options] -- torchrun ... script.py",
+              file=sys.stderr)
+        return 2
+    Path(env["MEGASCAN_TRACE_DIR"]).mkdir(parents=True, exist_ok=True)
+    try:
+        os.execvpe(command[0], command, env)  # the job replaces us: its exit code and signals are the user's
+    except OSError as exc:
+        print(f"error: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
+        return 127
+    return 0  # not reached
+
+
+# ------------------------------------------------------------------------------ in the worker
+
+
+class _InitHook(importlib.abc.MetaPathFinder):
+    """Patches torch.distributed.init_process_group the moment c10d is imported, without
+    importing torch at interpreter start-up."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None):
+        if name != _C10D:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        original_exec = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            original_exec(module)
+            _patch_init(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def arm() -> None:
+    """Called from the bootstrap sitecustomize in each worker."""
+    module = sys.modules.get(_C10D)
+    if module is not None:
+        _patch_init(module)
+        if getattr(sys.modules.get("torch.distributed"), "init_process_group", None) is not module.init_process_group:
+            sys.modules["torch.distributed"].init_process_group = module.init_process_group
+    else:
+        sys.meta_path.insert(0, _InitHook())
+
+
+def _patch_init(c10d) -> None:
+    original = c10d.init_process_group
+    if getattr(original, "__megascan_launch__", False):
+        return
+
+    def init_process_group(*args, **kwargs):
+        result = original(*args, **kwargs)
+        try:
+            LaunchSession.start_from_environment()
+        except Exception as exc:  # a tracing failure must not fail the job
+            print(f"[megascan] tracing not started: {exc!r}", file=sys.stderr, flush=True)
+        return result
+
+    init_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+    init_process_group.__megascan_launch__ = True  # type: ignore[attr-defined]
+    init_process_group.__doc__ = original.__doc__
+    c10d.init_process_group = init_process_group
+
+
+class _DDPHookState:
+    """The comm-hook state MegaScan registers on every DDP module; a hook the program registers
+    later is kept here and called instead of the default all-reduce."""
+
+    def __init__(self, session: "LaunchSession", process_group: Any) -> None:
+        self.session = session
+        self.process_group = process_group
+        self.user_hook = None
+        self.user_state = None
+
+
+def _traced_allreduce_hook(state: _DDPHookState, bucket):
+    """DDP's default gradient all-reduce (average over the group), issued from Python so it gets a
+    sequence number and an event from issue to completion like any other collective."""
+    if state.user_hook is not None:
+        return state.user_hook(state.user_state, bucket)
+    import torch.distributed as dist
+
+    group = state.process_group or dist.distributed_c10d._get_default_group()
+    tensor = bucket.buffer()
+    tensor.div_(group.size())
+    return state.session.async_collective("all_reduce", tensor, group,
+                                          lambda: dist.distributed_c10d.all_reduce.__megascan_original__(
+                                              tensor, group=group, async_op=True))
+
+
+class LaunchSession:
+    """One worker's tracing: the tracer (windows of optimizer steps), its collective observer with
+    DDP buckets, the watchdog, crash capture and optional metrics."""
+
+    current: "LaunchSession | None" = None
+
+    @classmethod
+    def start_from_environment(cls) -> "LaunchSession | None":
+        if cls.current is not None or not os.environ.get("MEGASCAN_TRACE_DIR"):
+            return cls.current
+        cls.current = cls(os.environ)
+        cls.current.start()
+        return cls.current
+
+    def __init__(self, environ: dict[str, str] | os._Environ) -> None:
+        self.directory = Path(environ["MEGASCAN_TRACE_DIR"])
+        self.run_id = environ.get("MEGASCAN_RUN_ID") or f"{environ.get('MASTER_ADDR')}-{environ.get('MASTER_PORT')}"
+        self.interval = int(environ.get("MEGASCAN_TRACE_INTERVAL", "5"))
+        self.continuous = int(environ.get("MEGASCAN_CONTINUOUS_ITERATIONS", "2"))
+        self.hang_timeout = float(environ.get("MEGASCAN_HANG_TIMEOUT", "300"))
+        port = environ.get("MEGASCAN_METRICS_PORT")
+        self.metrics_port = int(port) if port not in (None, "") else None
+        self.tracer = None
+        self.watchdog = None
+        self.crash = None
+        self.metrics = None
+        self.iteration = 0
+        self._optimizer_id: int | None = None
+        self._iteration_start = 0
+        self._step_start = 0
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        import torch.distributed as dist
+
+        from megatron.scan.timers import build_timer
+        from megatron.scan.trace_format import TraceWriter, header_fields, trace_file_name
+        from megatron.scan.tracer import Tracer, WindowSchedule
+        from megatron.scan.watchdog import CrashCapture, Watchdog, process_identity
+
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        # Without a model of the program's parallelism every rank is a data-parallel replica; the
+        # groups each collective ran on are in the trace, which is what matching needs.
+        header = header_fields(
+            rank=rank, world_size=world_size, run_id=self.run_id,
+            coordinates={"dp": rank, "pp": 0, "tp": 0}, sizes={"dp": world_size, "pp": 1, "tp": 1, "vpp": 1},
+            extra={"device": "launched", "timing": "host-monotonic", "backend": str(dist.get_backend()),
+                   "trace": {"interval": self.interval, "continuous": self.continuous, "granularity": "collectives"},
+                   "launcher": {"argv": sys.argv[:16]}, "num_microbatches": 1, "schedule": [],
+                   "start_iteration": 0})
+        writer = TraceWriter(self.directory / trace_file_name(rank, 0, 0), header)
+        self.tracer = tracer = Tracer(writer=writer, timer=build_timer("cpu", None),
+                                      schedule=WindowSchedule(self.interval, self.continuous))
+        tracer.collectives.install(ALIAS_PREFIXES)
+        identity = process_identity(rank, world_size, {"dp": rank, "pp": 0, "tp": 0})
+        self.crash = CrashCapture(self.directory, identity).install()
+        if self.hang_timeout > 0:
+            self.watchdog = Watchdog(directory=self.directory, identity=identity, timeout=self.hang_timeout,
+                                     observer=tracer.collectives)
+            tracer.collectives.listeners.append(self.watchdog.on_collective)
+            self.watchdog.start()
+        if self.metrics_port is not None:
+            self._start_metrics(identity)
+        self._hook_optimizers()
+        self._hook_ddp()
+        self._iteration_start = time.perf_counter_ns()
+        tracer.begin_iteration(0)
+        atexit.register(self.close, "exit")
+
+    def _start_metrics(self, identity: dict[str, Any]) -> None:
+        from megatron.scan.metrics import RankMetrics
+
+        self.metrics = RankMetrics(identity)
+        port = 0 if self.metrics_port == 0 else self.metrics_port + identity["local_rank"]
+        self.metrics.serve(port)
+        self.metrics.write_target(self.directory)
+        self.tracer.collectives.listeners.append(self.metrics.on_collective)
+        if self.watchdog is not None:
+            self.watchdog.hang_listeners.append(self.metrics.on_hang)
+            self.metrics.stalled.set_function(self.watchdog.stalled_seconds)
+
+    # --- iterations = optimizer steps -------------------------------------------------
+    def _hook_optimizers(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(self._before_step)
+        register_optimizer_step_post_hook(self._after_step)
+
+    def _first_optimizer(self, optimizer) -> bool:
+        # Programs with several optimizers step them all once per iteration: count the first one.
+        if self._optimizer_id is None:
+            self._optimizer_id = id(optimizer)
+        return id(optimizer) == self._optimizer_id
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        if self._first_optimizer(optimizer):
+            self._step_start = time.perf_counter_ns()
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        if not self._first_optimizer(optimizer) or self.tracer is None or self.tracer.closed:
+            return
+        tracer, now = self.tracer, time.perf_counter_ns()
+        with self._lock:
+            if tracer.active:
+                tracer.events.append(("optimizer", self._step_start, now, self.iteration, -1, -1, -1, -1, -1, -1,
+                                      -1, 0, None))
+                tracer.events.append(("iteration", self._iteration_start, now, self.iteration, -1, -1, -1, -1, -1,
+                                      -1, -1, 0, None))
+            seconds = (now - self._iteration_start) * 1e-9
+            tracer.end_iteration(self.iteration, {"iteration_time": seconds})
+            self.iteration += 1
+            self._iteration_start = now
+            tracer.begin_iteration(self.iteration)
+        if self.watchdog is not None:
+            self.watchdog.set_iteration(self.iteration)
+        if self.metrics is not None:
+            self.metrics.on_iteration({"iteration_time": seconds})
+
+    # --- DDP ------------------------------------------------------------------------------
+    def _hook_ddp(self) -> None:
+        """DDP's reducer all-reduces gradient buckets in C++, out of sight of the Python wrappers;
+        a comm hook brings them back into Python. A hook the program registers itself still runs."""
+        if os.environ.get("MEGASCAN_DDP_HOOK", "1") == "0":
+            return
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if getattr(DDP.__init__, "__megascan_launch__", False):
+            return
+        original_init, original_register = DDP.__init__, DDP.register_comm_hook
+        session = self
+
+        def __init__(module, *args, **kwargs):
+            original_init(module, *args, **kwargs)
+            state = _DDPHookState(session, getattr(module, "process_group", None))
+            original_register(module, state, _traced_allreduce_hook)
+            module._megascan_hook_state = state
+
+        def register_comm_hook(module, state, hook):
+            ours = getattr(module, "_megascan_hook_state", None)
+            if ours is None or ours.user_hook is not None:
+                return original_register(module, state, hook)
+            ours.user_hook, ours.user_state = hook, state
+
+        __init__.__megascan_launch__ = True  # type: ignore[attr-defined]
+        DDP.__init__ = __init__
+        DDP.register_comm_hook = register_comm_hook
+
+    def async_collective(self, op: str, tensor, group, issue):
+        """Issue an async collective and record it from issue to completion (a future callback),
+        with a sequence number from the shared per-group counter."""
+        observer = self.tracer.collectives
+        info = observer.group_info(group)
+        seq = info.seq
+        info.seq += 1
+        size, dtype = tensor.numel() * tensor.element_size(), str(tensor.dtype).replace("torch.", "")
+        info.in_flight = (op, seq, time.monotonic())
+        start = time.perf_counter_ns()
+        work = issue()
+
+        def done(future):
+            end = time.perf_counter_ns()
+            if info.in_flight is not None and info.in_flight[1] == seq:
+                info.in_flight = None
+            if info.last_completed is None or info.last_completed[1] < seq:
+                info.last_completed = (op, seq)
+            if observer.recording:
+                with self._lock:
+                    observer.sink(op, start, end, size, dtype, info.gid, seq, 0)
+            for listener in observer.listeners:
+                listener(op, info, seq, start, end)
+            return future.value()[0]
+
+        return work.get_future().then(done)
+
+    def close(self, reason: str = "exit") -> None:
+        if self.tracer is not None and not self.tracer.closed:
+            with self._lock:
+                self.tracer.close({"reason": reason, "iterations": self.iteration})
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.crash is not None:
+            self.crash.uninstall()
