@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -76,11 +75,16 @@ def run_synthetic(max_ranks: int):
         yield name, tp * pp * dp, score(detection, list(slow), list(links)), seconds
 
 
-def run_real():
+def run_real(keep: str | None = None):
     from launch import torchrun
 
     for name, layout, inject, ranks, links in REAL:
-        with tempfile.TemporaryDirectory() as directory:
+        with tempfile.TemporaryDirectory() as scratch:
+            directory = os.path.join(keep, name.replace(" ", "_").replace(">", "")) if keep else scratch
+            if keep and any(Path(directory).glob("benchmark-*")):
+                # Traces kept by an earlier --keep run are re-scored, not re-run.
+                yield name, 4, score(run_detection(directory, jobs=1), ranks, links), 0.0
+                continue
             proc = torchrun("pretrain_gpt.py", [*MODEL, *layout, *inject, "--trace-dir", directory], nproc=4, timeout=600)
             if proc.returncode != 0:
                 print(f"{name}: training failed\n{proc.stderr[-1500:]}", file=sys.stderr)
@@ -95,13 +99,15 @@ def main() -> int:
     parser.add_argument("--real", action="store_true", help="also run the real 4-rank CPU scenarios (minutes)")
     parser.add_argument("--real-only", action="store_true")
     parser.add_argument("--max-ranks", type=int, default=1024)
+    parser.add_argument("--keep", default=None, metavar="DIR",
+                        help="keep the real runs' traces under DIR; traces already there are re-scored, not re-run")
     args = parser.parse_args()
     print(f"| scenario | ranks | expected | named | TP | FP | FN | top-1 | detect s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     totals = {"true_positive": 0, "false_positive": 0, "false_negative": 0, "top1": 0, "cases": 0, "healthy_alarms": 0}
     sources = [] if args.real_only else [run_synthetic(args.max_ranks)]
     if args.real or args.real_only:
-        sources.append(run_real())
+        sources.append(run_real(args.keep))
     for source in sources:
         for name, ranks, s, seconds in source:
             print(f"| {name} | {ranks} | {s['expected']} | {s['named']} | {s['true_positive']} | {s['false_positive']} | "
