@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from launch import ROOT, env, torchrun
+from scope_helpers import fresh_job_env
+from launch import ROOT, torchrun
 
 WORKER = Path(__file__).parent / "workers" / "capture_worker.py"
 
@@ -25,9 +26,7 @@ def test_tp2_pp2_captures_match_single_rank(tmp_path):
     checkpoint = str(tmp_path / "ckpt")
     trained = torchrun(ROOT / "pretrain_gpt.py", [*TRAIN, "--save", checkpoint], nproc=4, timeout=300)
     assert trained.returncode == 0, trained.stderr[-3000:]
-    # In-process fixtures of this session set MASTER_PORT for their own store; a fresh one-rank
-    # job must pick its own.
-    clean = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    clean = fresh_job_env()
     single = subprocess.run([sys.executable, str(WORKER), "--load", checkpoint, "--out", str(tmp_path / "single.pt")],
                             cwd=ROOT, env=clean, capture_output=True, text=True, timeout=240)
     assert single.returncode == 0, single.stderr[-3000:]

@@ -16,6 +16,7 @@ import pytest
 
 aiohttp = pytest.importorskip("aiohttp", reason="the MegaScope server needs aiohttp (pip install aiohttp)")
 
+from scope_helpers import fresh_job_env  # noqa: E402
 from launch import ROOT, env, free_port  # noqa: E402
 from megatron.scope.codec import decode_frame  # noqa: E402
 from megatron.scope.server import WEB_DIST  # noqa: E402
@@ -126,7 +127,7 @@ def test_enable_ws_server_serves_generation_after_training():
 
     command = [sys.executable, "pretrain_gpt.py", *ARGS[:ARGS.index("--pipeline-model-parallel-size")],
                "--train-iters", "2", "--enable-ws-server", "--training-ws-port", "0", "--ws-token", "after"]
-    process = subprocess.Popen(command, cwd=ROOT, env={k: v for k, v in env().items() if k != "MASTER_PORT"},
+    process = subprocess.Popen(command, cwd=ROOT, env=fresh_job_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         port = int(re.search(r":(\d+)/", _wait_for_url(process)).group(1))
@@ -151,6 +152,6 @@ def test_enable_ws_server_serves_generation_after_training():
 
 def test_bad_scope_flags_fail_up_front():
     bad = subprocess.run([sys.executable, "pretrain_gpt.py", "--mock-data", "--device", "cpu",
-                          "--training-ws-port", "70000"], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          "--training-ws-port", "70000"], cwd=ROOT, env=fresh_job_env(), capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "--training-ws-port 70000 is not a TCP port" in bad.stderr
