@@ -9,6 +9,8 @@ from typing import Sequence
 
 from megatron.scope.server import ServerConfig
 
+DEMO_CHECKPOINT = "outputs/checkpoints"
+
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("MegaScope server")
@@ -24,8 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron.scope", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model for live inspection during generation")
-    source = serve.add_mutually_exclusive_group(required=True)
-    source.add_argument("--load", help="checkpoint directory written by pretrain_gpt.py --save")
+    source = serve.add_mutually_exclusive_group()
+    source.add_argument("--load", help="checkpoint directory written by pretrain_gpt.py --save "
+                                       f"(default: {DEMO_CHECKPOINT}, the model `bash run_single.sh` trains)")
     source.add_argument("--hf-gpt2",
                         help="local Hugging Face GPT-2 directory (config.json, weights, vocab.json, merges.txt)")
     source.add_argument("--random-model", action="store_true", help="a freshly initialised model (demo/testing)")
@@ -50,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
 def load_model(args: argparse.Namespace):
     from megatron.scope import loading
 
+    if not (args.load or args.hf_gpt2 or args.random_model):
+        if not os.path.isfile(os.path.join(DEMO_CHECKPOINT, "latest_checkpointed_iteration.txt")):
+            raise loading.ModelLoadError(
+                f"no model given and no demo checkpoint in {DEMO_CHECKPOINT}: train it with `bash run_single.sh`, "
+                "or pass --load DIR, --hf-gpt2 DIR or --random-model")
+        args.load = DEMO_CHECKPOINT
     if args.load:
         overrides = {"tokenizer_type": args.tokenizer_type, "vocab_file": args.vocab_file,
                      "merge_file": args.merge_file}
