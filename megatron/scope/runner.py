@@ -186,9 +186,10 @@ class ModelRunner:
 
     def _collect(self, logits, picked: dict[str, torch.Tensor], lens) -> ForwardResult:
         if not self.distributed:
-            result = ForwardResult(logits=logits, captures=picked)
+            # Captures go to the host (PCA, frames); the logits stay where they are for sampling.
+            result = ForwardResult(logits=logits, captures={k: v.cpu() for k, v in picked.items()})
             if lens is not None:
-                result.lens_ids, result.lens_probs = lens
+                result.lens_ids, result.lens_probs = lens[0].cpu(), lens[1].cpu()
             return result
         # Rank 0 gets every stage's layers: TP rank 0 of each stage contributes (its DP
         # replica 0 only, so a training job with DP > 1 sends each layer once).
