@@ -95,6 +95,7 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
                                           f"{link.messages}) vs {link.baseline_ms:.2f} ms on other links "
                                           f"({link.bandwidth_gbps:.3f} GB/s effective), {link.z:.1f} standard errors"],
                                 details={"link": _plain(link)}))
+    suspects = _drop_tensor_parallel_victims(data, stage2, suspects, notes)
     suspects.sort(key=lambda s: (-s.confidence, s.ranks))
     comparable = (any(f.method == "peers" for f in stage1.findings.values()) or stage2.instances > 0
                   or len(stage3.links) > 0)
@@ -114,6 +115,32 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
                      "(a single rank, DP=TP=PP=1, or traces without compute spans and collectives)")
     return Detection(data=data, compute=stage1, arrival=stage2, pipeline=stage3, suspects=suspects, verdict=verdict,
                      notes=notes)
+
+
+def _drop_tensor_parallel_victims(data: DetectionInput, stage2: ArrivalStage, suspects: list[Suspect],
+                                  notes: list[str]) -> list[Suspect]:
+    """A TP peer of a slow rank waits in collectives the tracer cannot time (async all-reduces
+    waited on later, shared-host contention), so it can look slower than its other peers too. It
+    is a victim when a slower member of its TP group is the one arriving last while it is not."""
+    def arrival_z(rank: int) -> float:
+        finding = stage2.findings.get(rank)
+        return finding.z if finding is not None else 0.0
+
+    kept = []
+    for suspect in suspects:
+        if suspect.kind == "rank":
+            me = data.roles[suspect.ranks[0]]
+            culprit = next((other for other in suspects if other.kind == "rank" and other is not suspect
+                            and data.roles[other.ranks[0]].dp == me.dp and data.roles[other.ranks[0]].pp == me.pp
+                            and other.slowdown > suspect.slowdown and arrival_z(other.ranks[0]) > 1.0
+                            and arrival_z(suspect.ranks[0]) <= 1.0), None)
+            if culprit is not None:
+                notes.append(f"{data.label(suspect.ranks[0])} computes {suspect.slowdown:.2f}x its peers but arrives "
+                             f"early at collectives while its TP peer {culprit.ranks[0]} ({culprit.slowdown:.2f}x) "
+                             f"arrives last: counted as waiting for it, not named")
+                continue
+        kept.append(suspect)
+    return kept
 
 
 def _plain(obj: Any) -> Any:
