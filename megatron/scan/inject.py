@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -59,15 +60,21 @@ class LinkDelay:
 class SlowdownObserver:
     """After each forward/backward of the slowed rank, keeps the CPU busy for (FACTOR-1) x the
     time the span took, so the rank looks like a proportionally slower device. On CUDA the extra
-    time is spent in matmuls on the device's current stream (a throttled GPU, not an idle one)."""
+    time is spent in matmuls on the device's current stream (a throttled GPU, not an idle one).
 
-    def __init__(self, factor: float, start_iteration: int, device: Any) -> None:
+    When a host runs more ranks than it has cores, a busy CPU would also slow whichever rank
+    shares its core, a fault a real throttled device never causes; there the extra time is
+    slept instead (`mode` says which), so only the injected rank is slower."""
+
+    def __init__(self, factor: float, start_iteration: int, device: Any, *, oversubscribed: bool = False) -> None:
         self.factor = factor
         self.start_iteration = start_iteration
         self.iteration = 0
         self.device = device
         self.injected_s = 0.0
         self._cuda = getattr(device, "type", "cpu") == "cuda"
+        self._sleep = oversubscribed and not self._cuda
+        self.mode = "device matmuls" if self._cuda else ("sleep (ranks outnumber cores)" if self._sleep else "busy CPU")
 
     @contextlib.contextmanager
     def span(self, kind: str, **attrs: Any) -> Iterator[None]:
@@ -101,8 +108,21 @@ class SlowdownObserver:
                 a = (a @ a).clamp_(-1, 1)
                 torch.cuda.synchronize(self.device)
             return
+        if self._sleep:
+            time.sleep(max(0.0, seconds))
+            return
         while time.perf_counter() < deadline:
             pass
+
+
+def _ranks_outnumber_cores() -> bool:
+    """More ranks on this host (torchrun's LOCAL_WORLD_SIZE) than cores this process may use."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return local_ranks > cores
 
 
 class _DelayedHandle:
@@ -188,10 +208,11 @@ class InjectPlugin(Plugin):
             factor = 1.0
             for s in mine:
                 factor *= s.factor
-            self.observer = SlowdownObserver(factor, min(s.start_iteration for s in mine), ctx.backend.device)
+            self.observer = SlowdownObserver(factor, min(s.start_iteration for s in mine), ctx.backend.device,
+                                             oversubscribed=_ranks_outnumber_cores())
             set_observer(self.observer)
             print(f"[inject] rank {ctx.rank}: compute x{factor:g} from iteration "
-                  f"{self.observer.start_iteration}", flush=True)
+                  f"{self.observer.start_iteration} ({self.observer.mode})", flush=True)
         incoming = {d.src: d.delay_ms / 1e3 for d in self.delays if d.dst == ctx.rank}
         if incoming and ctx.executor is not None:
             ctx.executor.transport = DelayedTransport(ctx.executor.transport, incoming)

@@ -34,6 +34,19 @@ def test_slowdown_stretches_compute_spans_only_from_the_start_iteration():
     assert time.perf_counter() - started < 0.04  # waiting is not compute
 
 
+def test_slowdown_on_an_oversubscribed_host_sleeps_instead_of_taking_a_core():
+    # With more ranks than cores a busy loop would slow a neighbour sharing the core; the
+    # injected rank must be slower in wall time while using no extra CPU time.
+    observer = SlowdownObserver(factor=4.0, start_iteration=0, device=None, oversubscribed=True)
+    wall, cpu = time.perf_counter(), time.process_time()
+    with observer.span("forward", chunk=0, microbatch=0):
+        _work(0.02)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    assert wall >= 0.08  # 4 x 20 ms
+    assert cpu < 0.05, f"slept extra time should not burn CPU (used {cpu * 1e3:.0f} ms)"
+    assert "sleep" in observer.mode
+
+
 class _Done:
     def wait(self):
         return None
