@@ -9,6 +9,10 @@ The first iterations (warm-up) are left out. On a shared 2-core machine running 
 wall-clock comparison is noisy (its 95% confidence interval is printed), so the table also gives
 the tracer's CPU cost measured directly: events per traced iteration (from the trace files) x the
 cost of one recorded span (timed here) + the writer's encode time per window (from the files).
+The hang watchdog (`--hang-timeout`) and live metrics (`--metrics-port`) observe every span and
+collective of every iteration (not only traced ones); their cost is measured the same way: the
+CPU time of one observation (the larger of a span and a collective, timed here) x events per
+iteration, against the untraced iteration time.
 Usage:
   python benchmarks/trace_overhead.py [--iters 400] [--granularity coarse|full] [--layouts pp2-dp2,tp2-pp2]
 """
@@ -79,6 +83,42 @@ def span_cost_us(repeat: int = 50_000) -> float:
     return best
 
 
+def observer_costs_us(repeat: int = 50_000) -> dict[str, float]:
+    """CPU cost (µs) of one observation by the watchdog and by the metrics exporter: the larger of
+    a finished span and a finished collective, beyond the spine's own no-op call (best of 3)."""
+    from megatron.scan.collectives import GroupInfo
+    from megatron.scan.metrics import MetricsSpans, RankMetrics
+    from megatron.scan.watchdog import Watchdog, WatchdogSpans
+
+    with tempfile.TemporaryDirectory() as directory:
+        identity = {"rank": 0, "world_size": 4, "host": "bench", "coordinates": {"dp": 0, "pp": 0, "tp": 0}}
+        watchdog = Watchdog(directory=directory, identity=identity, timeout=300.0)
+        metrics = RankMetrics(identity)
+        info = GroupInfo(gid=1, name="1", ranks=(0, 1), desc="TENSOR_MODEL_PARALLEL_GROUP")
+        observers = {"watchdog": (WatchdogSpans(watchdog), watchdog.on_collective),
+                     "metrics": (MetricsSpans(metrics), metrics.on_collective)}
+        costs = {}
+        for name, (spans, on_collective) in observers.items():
+            best_span = best_collective = float("inf")
+            for _ in range(3):
+                started = time.perf_counter()
+                for _ in range(repeat):
+                    pass
+                idle = time.perf_counter() - started
+                started = time.perf_counter()
+                for _ in range(repeat):
+                    with spans.span("send", peer=1, bytes=64, chunk=0, microbatch=1, direction="F"):
+                        pass
+                best_span = min(best_span, (time.perf_counter() - started - idle) / repeat * 1e6)
+                started = time.perf_counter()
+                for _ in range(repeat):
+                    on_collective("all_reduce", info, 1, 0, 1000)
+                best_collective = min(best_collective, (time.perf_counter() - started - idle) / repeat * 1e6)
+            costs[name] = max(best_span, best_collective)
+        metrics.close()
+    return costs
+
+
 def trace_costs(trace_dir: str) -> tuple[float, float]:
     """(most events per traced iteration on one rank, writer encode ms per window on that rank)."""
     worst = (0.0, 0.0)
@@ -131,6 +171,7 @@ def main() -> int:
     args = parser.parse_args()
     rows = []
     cost_us = span_cost_us()
+    always_on_us = observer_costs_us()
     for layout in args.layouts.split(","):
         with tempfile.TemporaryDirectory() as trace_dir:
             times = run_layout(layout, args.iters, args.granularity, trace_dir)
@@ -148,6 +189,17 @@ def main() -> int:
         print(f"{layout:8s} {r['untraced_ms']:11.2f} {r['traced_ms']:10.2f} {r['ratio']:7.4f} "
               f"{r['ci'] * 100:7.2f}% {r['samples']:6d} {events:9.0f} {cpu_ms:13.3f} "
               f"{1 + cpu_ms / r['untraced_ms']:9.4f} {size / 1e6:8.2f}")
+    print()
+    print("always-on observers (every iteration): one observation costs "
+          + ", ".join(f"{name} {cost:.2f} us" for name, cost in always_on_us.items()))
+    print(f"{'layout':8s} {'events/it':>9s} " + " ".join(f"{name + ' cpu ms':>16s} {name + ' ratio':>15s}"
+                                                     for name in always_on_us))
+    for layout, r, size, events, cpu_ms in rows:
+        cells = []
+        for cost in always_on_us.values():
+            observer_ms = events * cost / 1e3
+            cells.append(f"{observer_ms:16.3f} {1 + observer_ms / r['untraced_ms']:15.4f}")
+        print(f"{layout:8s} {events:9.0f} " + " ".join(cells))
     return 0
 
 
