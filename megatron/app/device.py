@@ -170,14 +170,19 @@ class DeviceBackend:
     def _init_kwargs(self) -> dict:
         return {}
 
-    def init_model_parallel(self, tp: int, pp: int, vpp: int | None, seed: int) -> None:
+    def init_model_parallel(self, tp: int, pp: int, vpp: int | None, seed: int,
+                            initialize: Callable[[int, int, int | None], None] | None = None) -> None:
+        """megatron-core's process groups (or a plugin's `initialize(tp, pp, vpp)`), then seeds."""
         from megatron.core import parallel_state
 
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            virtual_pipeline_model_parallel_size=vpp,
-        )
+        if initialize is not None:
+            initialize(tp, pp, vpp)
+        else:
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                virtual_pipeline_model_parallel_size=vpp,
+            )
         self._seed(seed)
 
     def _seed(self, seed: int) -> None:
@@ -220,10 +225,10 @@ class CPUBackend(DeviceBackend):
     name = "cpu"
     dist_backend = "gloo"
 
-    def init_model_parallel(self, tp: int, pp: int, vpp: int | None, seed: int) -> None:
+    def init_model_parallel(self, tp: int, pp: int, vpp: int | None, seed: int, initialize=None) -> None:
         from megatron.core import parallel_state
 
-        super().init_model_parallel(tp, pp, vpp, seed)
+        super().init_model_parallel(tp, pp, vpp, seed, initialize)
         parallel_state._GLOBAL_MEMORY_BUFFER = _cpu_global_memory_buffer()
 
     def _seed(self, seed: int) -> None:

@@ -21,8 +21,17 @@ class Plugin:
         """Whether the flags turn this plugin on."""
         return False
 
+    def configure_layout(self, cfg) -> None:
+        """Before the config is validated: a plugin that changes how ranks are used may rewrite
+        cfg.parallel (e.g. make world_size the size of the training mesh); raise ConfigError."""
+
     def configure(self, cfg) -> None:
         """Validate/adjust the run config before any work starts (raise ConfigError)."""
+
+    def model_parallel_initializer(self, cfg):
+        """Return a callable `(tp, pp, vpp) -> None` that sets up megatron-core's parallel state
+        instead of `parallel_state.initialize_model_parallel`, or None."""
+        return None
 
     def setup(self, ctx) -> None:
         """Called once the process groups, model, optimizer and data exist."""
@@ -33,6 +42,11 @@ class Plugin:
 
     def make_transport(self, ctx):
         """Return a P2P transport to use instead of torch.distributed, or None."""
+        return None
+
+    def make_step_runner(self, ctx):
+        """Return a callable `(ctx, plugins) -> metrics` that runs one whole training iteration
+        (schedule, grad sync, optimizer step) on this rank instead of the trainer's, or None."""
         return None
 
     def before_iteration(self, ctx, iteration: int) -> None: ...
@@ -50,7 +64,7 @@ _REGISTRY: dict[str, Callable[[], Plugin]] = {}
 # Plugins shipped in this distribution, imported lazily so a missing optional dependency of
 # one plugin never breaks training without it. Modules register themselves on import.
 _BUILTIN_MODULES: tuple[str, ...] = ("megatron.scan.plugin", "megatron.scan.inject", "megatron.scan.watchdog", "megatron.scan.metrics", "megatron.scope.plugin",
-                                     "megatron.scan.detect.online")
+                                     "megatron.scan.detect.online", "megatron.fbd.plugin", "megatron.dpp.plugin")
 
 
 def register_plugin(factory: Callable[[], Plugin]) -> Callable[[], Plugin]:
@@ -94,10 +108,10 @@ class PluginSet:
         for plugin in self.plugins:
             getattr(plugin, hook)(*args)
 
-    def first(self, factory_hook: str, ctx):
-        """The first non-None object a plugin supplies (executor or transport)."""
+    def first(self, factory_hook: str, *args: Any):
+        """The first non-None object a plugin supplies (executor, transport, step runner...)."""
         for plugin in self.plugins:
-            made = getattr(plugin, factory_hook)(ctx)
+            made = getattr(plugin, factory_hook)(*args)
             if made is not None:
                 return made
         return None

@@ -50,12 +50,18 @@ class TrainContext:
     iteration: int = 0
     consumed_samples: int = 0
     extras: dict = field(default_factory=dict)
+    # A plugin that splits ranks into roles names this rank's role (e.g. in trace file names).
+    role: str = ""
+    # A secondary rank mirrors state held by another rank: it joins every collective, but prints
+    # no training log and writes no checkpoint files.
+    secondary: bool = False
+    step_runner: Any = None
 
     @property
     def is_logging_rank(self) -> bool:
         """First rank (tp 0, dp 0) of the last pipeline stage prints the training log."""
         pp = self.cfg.parallel.pipeline_model_parallel_size
-        return self.pp_rank == pp - 1 and self.tp_rank == 0 and self.dp_rank == 0
+        return self.pp_rank == pp - 1 and self.tp_rank == 0 and self.dp_rank == 0 and not self.secondary
 
 
 def learning_rate(cfg, iteration: int) -> float:
@@ -90,6 +96,7 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
     backend.init_model_parallel(
         p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
         cfg.num_chunks if cfg.num_chunks > 1 else None, cfg.training.seed,
+        initialize=plugins.first("model_parallel_initializer", cfg),
     )
     ctx = TrainContext(
         cfg=cfg,
@@ -126,6 +133,7 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
         device=backend.device,
     )
     ctx.executor = plugins.first("make_executor", ctx) or PipelineExecutor(ctx.chunks, stage, ctx.transport)
+    ctx.step_runner = plugins.first("make_step_runner", ctx) or train_step
     plugins.call("setup", ctx)
     return ctx
 
@@ -183,7 +191,7 @@ def train(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
         plugins.call("before_iteration", ctx, ctx.iteration)
         started = time.perf_counter()
         with span("iteration", iteration=ctx.iteration):
-            metrics = train_step(ctx, plugins)
+            metrics = ctx.step_runner(ctx, plugins)
         ctx.iteration += 1
         ctx.consumed_samples += t.global_batch_size
         metrics["iteration_time"] = time.perf_counter() - started
@@ -205,8 +213,9 @@ def train(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
 
 def save(ctx: TrainContext) -> None:
     started = time.perf_counter()
+    writer_dp_rank = -1 if ctx.secondary else ctx.dp_rank  # secondaries join the barriers only
     path = ckpt.save_checkpoint(ctx.cfg.checkpoint.save, ctx.iteration, ctx.consumed_samples, ctx.chunks,
-                                ctx.optimizer, ctx.cfg, ctx.tp_rank, ctx.pp_rank, ctx.dp_rank)
+                                ctx.optimizer, ctx.cfg, ctx.tp_rank, ctx.pp_rank, writer_dp_rank)
     print_rank_0(f"saved checkpoint at iteration {ctx.iteration} to {path} "
                  f"({(time.perf_counter() - started) * 1e3:.0f} ms)")
 
@@ -217,6 +226,7 @@ def parse(argv: Sequence[str] | None = None) -> tuple[RunConfig, PluginSet]:
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
     plugins = PluginSet([p for p in candidates if p.enabled(args)])
+    plugins.call("configure_layout", cfg)
     validate(cfg)
     plugins.call("configure", cfg)
     return cfg, plugins

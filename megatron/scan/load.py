@@ -46,7 +46,8 @@ class GlobalTrace:
 
     def label(self, rank: int) -> str:
         c = self.ranks[rank]["coordinates"]
-        return f"DP{c['dp']}-PP{c['pp']}-TP{c['tp']} (rank {rank})"
+        role = self.ranks[rank].get("role")  # e.g. fwd / bwd when one logical rank is split (FBD)
+        return f"DP{c['dp']}-PP{c['pp']}-TP{c['tp']}{f' {role}' if role else ''} (rank {rank})"
 
 
 def _read(path: str) -> RankFile | str:

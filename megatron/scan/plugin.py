@@ -85,7 +85,7 @@ class ScanPlugin(Plugin):
         p = cfg.parallel
         header = header_fields(
             rank=ctx.rank,
-            world_size=p.world_size,
+            world_size=dist.get_world_size() if dist.is_initialized() else p.world_size,
             run_id=holder[0],
             coordinates={"dp": ctx.dp_rank, "pp": ctx.pp_rank, "tp": ctx.tp_rank},
             sizes={"dp": p.data_parallel_size, "pp": p.pipeline_model_parallel_size,
@@ -99,6 +99,7 @@ class ScanPlugin(Plugin):
                 "schedule": [str(task) for task in ctx.schedule],
                 "train_iters": cfg.training.train_iters,
                 "start_iteration": ctx.iteration,
+                **({"role": ctx.role} if ctx.role else {}),
             },
         )
         skew = None
@@ -106,7 +107,7 @@ class ScanPlugin(Plugin):
             offset_ms, drift_ppm = self.skews[ctx.rank]
             skew = ClockSkew(offset_ns=int(offset_ms * 1e6), drift=drift_ppm * 1e-6,
                              reference_ns=header["clock_reference"]["monotonic_ns"])
-        path = Path(args.trace_dir) / trace_file_name(ctx.dp_rank, ctx.pp_rank, ctx.tp_rank)
+        path = Path(args.trace_dir) / trace_file_name(ctx.dp_rank, ctx.pp_rank, ctx.tp_rank, ctx.role or None)
         writer = TraceWriter(path, header, skew=skew)
         self.tracer = Tracer(writer=writer, timer=build_timer(ctx.backend.name, ctx.backend.device),
                              schedule=WindowSchedule(args.trace_interval, args.continuous_trace_iterations))

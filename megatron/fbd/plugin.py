@@ -1,0 +1,115 @@
+"""The MegaFBD trainer plugin: flags, layout checks, process-group installation and the
+disaggregated step runner, wired into the spine's plugin contract."""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch.distributed as dist
+
+from megatron.app.config import ConfigError
+from megatron.app.plugins import Plugin, register_plugin
+from megatron.fbd.groups import create_groups, install_parallel_state
+from megatron.fbd.layout import FBDLayout, build_layout
+from megatron.fbd.runner import make_step
+
+
+def add_fbd_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("MegaFBD forward-backward disaggregation")
+    g.add_argument("--forward-backward-disaggregating", action="store_true",
+                   help="run each logical rank as a forward instance and a backward instance on two ranks "
+                        "(data-parallel size halves)")
+    g.add_argument("--ignore-forward-tensor-parallel", action="store_true",
+                   help="merge the forward instances of one TP group into one rank holding the full stage")
+    g.add_argument("--forward-device", choices=["cuda", "cpu"], default=None,
+                   help="device of the forward instances (default: the --device of the run)")
+
+
+def layout_problems(cfg, layout_error: str | None) -> list[str]:
+    """Flag combinations FBD cannot run, each with the reason and what to do."""
+    args, t, m = cfg.args, cfg.training, cfg.model
+    problems = [layout_error] if layout_error else []
+    if not args.forward_backward_disaggregating:
+        used = [f for f, on in (("--ignore-forward-tensor-parallel", args.ignore_forward_tensor_parallel),
+                                ("--forward-device", args.forward_device is not None)) if on]
+        return [f"{' and '.join(used)} only apply with --forward-backward-disaggregating; add it or drop them"]
+    if t.device == "cuda":
+        problems.append("--device cuda: the disaggregated step runs on the CPU backend (gloo) only in this "
+                        "version; use --device cpu")
+    if args.forward_device == "cuda":
+        problems.append("--forward-device cuda needs CUDA backward instances, which this version does not run; "
+                        "drop --forward-device or use --forward-device cpu")
+    if cfg.parallel.num_layers_per_virtual_pipeline_stage:
+        problems.append("--num-layers-per-virtual-pipeline-stage: each FBD instance runs one model chunk per stage; "
+                        "drop the virtual pipeline")
+    if t.eval_interval:
+        problems.append("--eval-interval: evaluation is not disaggregated; drop --eval-interval/--eval-iters")
+    if getattr(args, "use_dpp", False):
+        problems.append("--use-dpp: FBD replaces the whole step (forward instances run ahead), so a dynamic "
+                        "pipeline executor has nothing to schedule; use one or the other")
+    if args.ignore_forward_tensor_parallel:
+        if m.attention_dropout > 0 and cfg.parallel.tensor_model_parallel_size > 1:
+            problems.append(f"--attention-dropout {m.attention_dropout} with --ignore-forward-tensor-parallel: the "
+                            "merged forward instance draws attention dropout from one TP stream while each "
+                            "backward TP rank draws from its own, so recomputation would differ; use 0")
+        if cfg.checkpoint.load:
+            problems.append("--load with --ignore-forward-tensor-parallel: the merged forward instance has no "
+                            "checkpoint file of its shape; resume without --ignore-forward-tensor-parallel")
+    return problems
+
+
+@register_plugin
+class FBDPlugin(Plugin):
+    """`--forward-backward-disaggregating`: forward and backward instances on separate ranks."""
+
+    name = "fbd"
+
+    def __init__(self) -> None:
+        self.layout: FBDLayout | None = None
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        add_fbd_arguments(parser)
+
+    def enabled(self, args: argparse.Namespace) -> bool:
+        # Enabled by any of its flags, so that a stray sub-flag is reported rather than ignored.
+        return bool(args.forward_backward_disaggregating or args.ignore_forward_tensor_parallel
+                    or args.forward_device is not None)
+
+    def configure_layout(self, cfg) -> None:
+        p = cfg.parallel
+        layout_error = None
+        try:
+            self.layout = build_layout(p.world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                       bool(cfg.args.ignore_forward_tensor_parallel))
+        except ConfigError as exc:
+            layout_error = str(exc)
+        problems = layout_problems(cfg, layout_error)
+        if problems:
+            raise ConfigError("invalid configuration for forward-backward disaggregation:\n  " + "\n  ".join(problems))
+        # The backward instances are the training mesh: tp x pp x dp/2; validation checks it.
+        p.world_size = self.layout.mesh_size
+
+    def configure(self, cfg) -> None:
+        me = self.layout.instance(int(os.environ.get("RANK", "0")))
+        if me.is_forward and self.layout.ignore_forward_tp:
+            # This rank's model: the whole stage (TP=1), one per replica and stage.
+            cfg.parallel.tensor_model_parallel_size = 1
+            cfg.parallel.world_size = self.layout.pp * self.layout.replicas
+
+    def model_parallel_initializer(self, cfg):
+        layout = self.layout
+
+        def initialize(tp: int, pp: int, vpp: int | None) -> None:
+            if dist.get_world_size() != layout.world_size:
+                raise ConfigError(f"FBD layout is for {layout.world_size} ranks, but the job has {dist.get_world_size()}")
+            install_parallel_state(layout, create_groups(layout), dist.get_rank())
+            if dist.get_rank() == 0:
+                print(layout.physical_map() + "\n" + layout.virtual_map(), flush=True)
+
+        return initialize
+
+    def make_step_runner(self, ctx):
+        me = self.layout.instance(ctx.rank)
+        ctx.role = me.role
+        ctx.secondary = me.is_forward  # the backward instance prints the log and writes checkpoints
+        return make_step(ctx, self.layout, me)

@@ -1,0 +1,252 @@
+"""The disaggregated training step: a forward instance runs every microbatch without keeping
+activations; its backward instance recomputes from the received stage input and RNG state,
+runs backward, syncs gradients, steps the optimizer and sends the new weights back."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from megatron.app.model import unwrap_model
+from megatron.app.observer import span
+from megatron.app.transport import Message, TorchDistributedTransport
+from megatron.fbd.layout import FBDLayout, Instance
+
+# Message kinds; a tag is kind + _KINDS * microbatch, unique per (sender, receiver) per iteration.
+_ACTIVATION, _STAGE_INPUT, _RNG, _GRAD, _WEIGHTS = range(5)
+_KINDS = 8
+
+
+def _tag(kind: int, microbatch: int = 0) -> int:
+    return kind + _KINDS * microbatch
+
+
+# --- RNG state: what a forward pass draws from, packed into one byte tensor ----------------------
+def _tracker_states() -> dict[str, torch.Tensor]:
+    from megatron.core.tensor_parallel import random as mc_random
+
+    tracker = mc_random.get_cuda_rng_tracker()
+    return tracker.get_states() if getattr(tracker, "is_initialized", lambda: False)() else {}
+
+
+def rng_snapshot() -> torch.Tensor:
+    """CPU generator state, the CUDA one when present, and every RNG tracker stream, as uint8."""
+    parts = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        parts.append(torch.cuda.get_rng_state())
+    states = _tracker_states()
+    parts += [states[name].cpu() for name in sorted(states)]
+    return torch.cat([p.view(torch.uint8).flatten() for p in parts])
+
+
+def rng_restore(packed: torch.Tensor) -> None:
+    """Inverse of rng_snapshot on a process with the same generators."""
+    from megatron.core.tensor_parallel import random as mc_random
+
+    offset = 0
+
+    def take(like: torch.Tensor) -> torch.Tensor:
+        nonlocal offset
+        part = packed[offset: offset + like.numel()].clone()
+        offset += like.numel()
+        return part
+
+    torch.set_rng_state(take(torch.get_rng_state()))
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(take(torch.cuda.get_rng_state()))
+    states = _tracker_states()
+    if states:
+        mc_random.get_cuda_rng_tracker().set_states({name: take(states[name]) for name in sorted(states)})
+    if offset != packed.numel():
+        raise RuntimeError(f"RNG state of {packed.numel()} bytes does not match this process's {offset}")
+
+
+# --- weights ----------------------------------------------------------------------------------
+def shard_shapes(chunk: torch.nn.Module, tp_size: int) -> list[torch.Size]:
+    """Shapes of one backward TP rank's parameters, from a full (TP=1) forward chunk."""
+    shapes = []
+    for param in chunk.parameters():
+        shape = list(param.shape)
+        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            dim = param.partition_dim
+            if shape[dim] % tp_size:
+                raise RuntimeError(f"parameter of shape {tuple(param.shape)} cannot be split {tp_size} ways on dim {dim}")
+            shape[dim] //= tp_size
+        shapes.append(torch.Size(shape))
+    return shapes
+
+
+@torch.no_grad()
+def load_weights(chunk: torch.nn.Module, flats: list[torch.Tensor], tp_size: int) -> None:
+    """Copy the flat weight buffers of `tp_size` backward TP ranks into a forward chunk:
+    TP-partitioned parameters are concatenated along their partition dim, others taken from rank 0."""
+    shapes = shard_shapes(chunk, tp_size)
+    per_rank = []
+    for flat in flats:
+        pieces, offset = [], 0
+        for shape in shapes:
+            pieces.append(flat[offset: offset + shape.numel()].view(shape))
+            offset += shape.numel()
+        per_rank.append(pieces)
+    for index, param in enumerate(chunk.parameters()):
+        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            param.copy_(torch.cat([pieces[index] for pieces in per_rank], dim=param.partition_dim))
+        else:
+            param.copy_(per_rank[0][index])
+
+
+def _flat_weights(chunk: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in chunk.parameters()])
+
+
+class _StepBase:
+    def __init__(self, ctx, layout: FBDLayout, me: Instance) -> None:
+        self.ctx, self.layout, self.me = ctx, layout, me
+        self.chunk = ctx.chunks[0]
+        self.transport = ctx.transport or TorchDistributedTransport()
+        cfg = ctx.cfg
+        self.num_microbatches = cfg.num_microbatches
+        self.activation_shape = (cfg.model.seq_length, cfg.training.micro_batch_size, cfg.model.hidden_size)
+        self.dtype = torch.bfloat16 if cfg.model.bf16 else torch.float32
+        self.device = ctx.backend.device
+        self.is_first = me.stage == 0
+        self.is_last = me.stage == layout.pp - 1
+        self.pending: list = []
+
+    def _send(self, peer: int, tag: int, tensor: torch.Tensor, **attrs: Any) -> None:
+        with span("send", peer=peer, bytes=tensor.numel() * tensor.element_size(), **attrs):
+            self.pending += self.transport.post([Message(peer, tag, tensor)], [])
+
+    def _recv(self, peer: int, tag: int, buffer: torch.Tensor, **attrs: Any) -> torch.Tensor:
+        handle = self.transport.post([], [Message(peer, tag, buffer)])[0]
+        with span("recv", peer=peer, bytes=buffer.numel() * buffer.element_size(), **attrs):
+            handle.wait()
+        return buffer
+
+    def _activation(self) -> torch.Tensor:
+        return torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+
+    def _forward(self, batch: dict, stage_input: torch.Tensor | None) -> torch.Tensor:
+        unwrap_model(self.chunk).set_input_tensor(stage_input)
+        return self.chunk(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                          labels=batch["labels"] if self.is_last else None)
+
+    def _loss(self, output: torch.Tensor, batch: dict) -> tuple[torch.Tensor, int]:
+        mask = batch["loss_mask"]
+        tokens = mask.sum()
+        # [micro batch, seq] per-token loss -> mean over the real tokens of this microbatch
+        return (output.float() * mask).sum() / tokens.clamp(min=1), int(tokens)
+
+    def _finish(self) -> None:
+        for handle in self.pending:
+            handle.wait()
+        self.pending.clear()
+
+
+class ForwardStep(_StepBase):
+    """One iteration of a forward instance: fresh weights in, stage inputs and RNG states out."""
+
+    def __call__(self, ctx, plugins) -> dict[str, Any]:
+        iteration = ctx.iteration
+        backward_ranks = self.layout.partners(self.me.rank)
+        self._receive_weights(backward_ranks)
+        self.chunk.train()  # training-mode dropout, drawn from the RNG state sent along
+        previous = None if self.is_first else self.layout.forward_of(self.me.replica, self.me.stage - 1, self.me.tp_rank)
+        following = None if self.is_last else self.layout.forward_of(self.me.replica, self.me.stage + 1, self.me.tp_rank)
+        losses, tokens = [], 0
+        for mb in range(self.num_microbatches):
+            batch = ctx.data.train_microbatch(iteration, mb)
+            stage_input = None
+            if previous is not None:
+                stage_input = self._recv(previous, _tag(_ACTIVATION, mb), self._activation(), microbatch=mb,
+                                         direction="F")
+            rng = rng_snapshot()
+            with span("forward", chunk=0, microbatch=mb), torch.no_grad():
+                output = self._forward(batch, stage_input)
+                if self.is_last:
+                    loss, count = self._loss(output, batch)
+                    losses.append(float(loss))
+                    tokens += count
+            if following is not None:
+                self._send(following, _tag(_ACTIVATION, mb), output, microbatch=mb, direction="F")
+            for rank in backward_ranks:
+                self._send(rank, _tag(_RNG, mb), rng, microbatch=mb)
+                if stage_input is not None:
+                    self._send(rank, _tag(_STAGE_INPUT, mb), stage_input, microbatch=mb, direction="F")
+        self._finish()
+        return {"lm loss": sum(losses) / len(losses) if losses else None, "grad norm": 0.0,
+                "learning rate": _learning_rate(ctx), "updated": True, "num_tokens": tokens}
+
+    def _receive_weights(self, backward_ranks: list[int]) -> None:
+        shapes = shard_shapes(self.chunk, len(backward_ranks))
+        numel = sum(s.numel() for s in shapes)
+        dtype = next(self.chunk.parameters()).dtype
+        buffers = [torch.empty(numel, dtype=dtype, device=self.device) for _ in backward_ranks]
+        handles = self.transport.post([], [Message(r, _tag(_WEIGHTS), b) for r, b in zip(backward_ranks, buffers)])
+        with span("recv", peer=backward_ranks[0], bytes=numel * buffers[0].element_size() * len(buffers)):
+            for handle in handles:
+                handle.wait()
+        with span("load_weights"):
+            load_weights(unwrap_model(self.chunk), buffers, len(backward_ranks))
+
+
+class BackwardStep(_StepBase):
+    """One iteration of a backward instance: weights out, recompute + backward per microbatch,
+    gradient sync and optimizer step."""
+
+    def __call__(self, ctx, plugins) -> dict[str, Any]:
+        iteration, backend = ctx.iteration, ctx.backend
+        lr = _learning_rate(ctx)
+        for group in ctx.optimizer.param_groups:
+            group["lr"] = lr
+        (forward_rank,) = self.layout.partners(self.me.rank)
+        # The forward instance runs this iteration with exactly the weights we hold now.
+        self._send(forward_rank, _tag(_WEIGHTS), _flat_weights(self.chunk))
+        backend.zero_grad(ctx.chunks)
+        self.chunk.train()
+        previous = None if self.is_first else self.layout.backward_of(self.me.replica, self.me.stage - 1, self.me.tp_rank)
+        following = None if self.is_last else self.layout.backward_of(self.me.replica, self.me.stage + 1, self.me.tp_rank)
+        rng_buffer = rng_snapshot()
+        losses, tokens = [], 0
+        for mb in range(self.num_microbatches):
+            batch = ctx.data.train_microbatch(iteration, mb)
+            stage_input = None
+            if not self.is_first:
+                stage_input = self._recv(forward_rank, _tag(_STAGE_INPUT, mb), self._activation(), microbatch=mb,
+                                         direction="F")
+                stage_input.requires_grad_(True)
+            rng_restore(self._recv(forward_rank, _tag(_RNG, mb), torch.empty_like(rng_buffer), microbatch=mb))
+            with span("forward", chunk=0, microbatch=mb):  # recomputation
+                output = self._forward(batch, stage_input)
+                if self.is_last:
+                    loss, count = self._loss(output, batch)
+                    losses.append(float(loss.detach()))
+                    tokens += count
+                    output = loss / self.num_microbatches
+            grad_output = None
+            if following is not None:
+                grad_output = self._recv(following, _tag(_GRAD, mb), self._activation(), microbatch=mb,
+                                         direction="B")
+            with span("backward", chunk=0, microbatch=mb):
+                torch.autograd.backward(output, grad_tensors=grad_output)
+            if previous is not None:
+                self._send(previous, _tag(_GRAD, mb), stage_input.grad, microbatch=mb, direction="B")
+        with span("grad_sync", iteration=iteration):
+            backend.finalize_grads(ctx.chunks)
+        plugins.call("before_optimizer_step", ctx, iteration)
+        with span("optimizer", iteration=iteration):
+            updated, grad_norm = ctx.optimizer.step()
+        plugins.call("after_optimizer_step", ctx, iteration)
+        self._finish()
+        return {"lm loss": sum(losses) / len(losses) if losses else None, "grad norm": grad_norm,
+                "learning rate": lr, "updated": updated, "num_tokens": tokens}
+
+
+def _learning_rate(ctx) -> float:
+    from megatron.app.train import learning_rate
+
+    return learning_rate(ctx.cfg, ctx.iteration)
+
+
+def make_step(ctx, layout: FBDLayout, me: Instance) -> Callable[[Any, Any], dict[str, Any]]:
+    return (ForwardStep if me.is_forward else BackwardStep)(ctx, layout, me)
