@@ -1,0 +1,44 @@
+"""Shared launches for the FBD tests: each (baseline, FBD) pair runs once per test session."""
+from __future__ import annotations
+
+import functools
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+
+from launch import torchrun
+
+MODEL = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+    "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "2e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--log-interval", "1", "--device", "cpu",
+    "--mock-data", "--vocab-size", "256", "--train-iters", "20",
+]
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|")
+_ROOT = Path(tempfile.mkdtemp(prefix="fbd-tests-"))
+
+
+@functools.lru_cache(maxsize=None)
+def launch(name: str, nproc: int, args: tuple[str, ...]) -> dict:
+    """Run pretrain_gpt.py with --save; return its loss curve, output and checkpoint directory."""
+    out = _ROOT / name
+    out.mkdir(parents=True, exist_ok=True)
+    proc = torchrun("pretrain_gpt.py", [*MODEL, *args, "--save", str(out / "ckpt")], nproc=nproc, timeout=240)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    curve = {int(m.group(1)): float(m.group(2)) for m in LOSS.finditer(proc.stdout)}
+    return {"losses": curve, "stdout": proc.stdout, "ckpt": out / "ckpt" / "iter_0000020", "dir": out}
+
+
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Final model weights by (tp, pp) file and parameter name."""
+    result = {}
+    for path in sorted(ckpt.glob("mp_rank_*/model_optim_rng.pt")):
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+        for index, state in enumerate(payload["model"]):
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and "_extra_state" not in key:
+                    result[f"{path.parent.name}/{index}/{key}"] = value
+    return result
