@@ -62,11 +62,15 @@ ITERATION_COLUMNS = ("rank", "iteration", "start", "end")
 
 
 def busy_compute(rank: np.ndarray, name: np.ndarray, start: np.ndarray, end: np.ndarray, flags: np.ndarray,
-                 group: np.ndarray, compute_ids: np.ndarray, wait_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                 group: np.ndarray, compute_ids: np.ndarray, wait_ids: np.ndarray,
+                 not_before: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Busy time of every compute span: from its start to the next non-nested event of the same rank,
-    minus the synchronous collectives that started inside. The trailing gap counts because work the
-    tracer does not see (an interfering kernel, a slowdown injected after the span) still delays
-    the rank; collectives are subtracted because a rank waiting for a slow TP peer is not slow.
+    minus the synchronous collectives inside. The trailing gap counts because work the tracer does
+    not see (an interfering kernel, a slowdown injected after the span) still delays the rank;
+    collectives are subtracted because a rank waiting for a slow TP peer is not slow.
+    `not_before` (per compute row, same order as the returned rows) moves a span's start later:
+    a TP group's task cannot progress before its last member starts it, and waiting for that
+    member inside the span (an async all-reduce waited on mid-backward) is not traced.
     Returns (rows of compute spans, busy ns)."""
     rows = np.flatnonzero(np.isin(name, compute_ids))
     busy = np.zeros(len(rows), dtype=np.int64)
@@ -83,11 +87,28 @@ def busy_compute(rank: np.ndarray, name: np.ndarray, start: np.ndarray, end: np.
         for i, row in zip(np.flatnonzero(rank[rows] == r), mine):
             nxt = np.searchsorted(b_start, end[row], side="left")
             stop = b_start[nxt] if nxt < len(b_start) else end[row]
+            begin = start[row] if not_before is None else min(max(start[row], not_before[i]), stop)
             lo, hi = np.searchsorted(c_start, start[row], "left"), np.searchsorted(c_start, stop, "left")
             # Clipped to the busy window: a collective running past it is not this task's wait.
-            waited = int(np.clip(np.minimum(c_end[lo:hi], stop) - c_start[lo:hi], 0, None).sum())
-            busy[np.searchsorted(rows, row)] = max(int(stop - start[row] - waited), 1)
+            waited = int(np.clip(np.minimum(c_end[lo:hi], stop) - np.maximum(c_start[lo:hi], begin), 0, None).sum())
+            busy[i] = max(int(stop - begin - waited), 1)
     return rows, busy
+
+
+def _tensor_parallel_start(c: dict[str, np.ndarray], rows: np.ndarray, roles: dict[int, RankRole]) -> np.ndarray:
+    """Per compute row, the latest start of the same task (iteration, kind, chunk, microbatch) among
+    the members of its TP group (same DP and PP coordinates)."""
+    ranks = c["rank"][rows].astype(np.int64)
+    dp = np.array([roles[int(r)].dp for r in ranks], dtype=np.int64)
+    pp = np.array([roles[int(r)].pp for r in ranks], dtype=np.int64)
+    key = np.stack([dp, pp, c["iteration"][rows], c["name"][rows], c["chunk"][rows], c["microbatch"][rows]], axis=1)
+    if not len(key):
+        return np.zeros(0, dtype=np.int64)
+    _, inverse = np.unique(key, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    latest = np.full(inverse.max() + 1, np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(latest, inverse, c["start"][rows].astype(np.int64))
+    return latest[inverse]
 
 
 def from_aggregation(aggregation: Any) -> DetectionInput:
@@ -100,8 +121,9 @@ def from_aggregation(aggregation: Any) -> DetectionInput:
     sizes = {k: int(first["sizes"][k]) for k in ("dp", "pp", "tp")}
     compute_ids = trace.ids(COMPUTE_KINDS)
     wait_ids = trace.ids(WAIT_KINDS)
+    rows = np.flatnonzero(np.isin(c["name"], compute_ids))
     rows, busy = busy_compute(c["rank"], c["name"], c["start"], c["end"], c["flags"], c["group"], compute_ids,
-                              wait_ids)
+                              wait_ids, not_before=_tensor_parallel_start(c, rows, roles))
     backward_id = trace.name_id("backward")
     compute = {"rank": c["rank"][rows].astype(np.int64), "iteration": c["iteration"][rows].astype(np.int64),
                "kind": (c["name"][rows] == backward_id).astype(np.int64), "chunk": c["chunk"][rows].astype(np.int64),
