@@ -1,6 +1,6 @@
 """Slow-rank detection accuracy: precision, recall and top-1 localization over scenarios with
-known faults: synthetic traces of 8 to 1024 ranks, and (with --real) real 4-rank CPU runs with
-injected slowdowns and link delays. Prints one row per scenario and a total line.
+known faults: synthetic traces of 8 to 1024 ranks, and (with --real) real 4- and 8-rank CPU runs
+with injected slowdowns (1.15x to 3x) and link delays. Prints one row per scenario and a total line.
 
     python benchmarks/detection_accuracy.py [--real] [--max-ranks 1024]"""
 from __future__ import annotations
@@ -42,15 +42,21 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
 PP2 = ["--pipeline-model-parallel-size", "2"]
 TP2PP2 = [*PP2, "--tensor-model-parallel-size", "2"]
 TP2 = ["--tensor-model-parallel-size", "2"]
-# name, layout flags, injection flags, expected ranks, expected links
+PP4 = ["--pipeline-model-parallel-size", "4"]
+# name, ranks, layout flags, injection flags, expected ranks, expected links
 REAL = [
-    ("real healthy pp2 dp2", PP2, [], [], []),
-    ("real healthy tp2 pp2", TP2PP2, [], [], []),
-    ("real pp2 dp2 rank1 1.5x", PP2, ["--inject-slowdown", "1:1.5"], [1], []),
-    ("real tp2 pp2 rank2 2x", TP2PP2, ["--inject-slowdown", "2:2"], [2], []),
-    ("real tp2 dp2 rank3 1.5x", TP2, ["--inject-slowdown", "3:1.5"], [3], []),
-    ("real pp2 dp2 two faults", PP2, ["--inject-slowdown", "0:2", "--inject-slowdown", "3:1.5"], [0, 3], []),
-    ("real pp2 dp2 link 0->2 20ms", PP2, ["--inject-link-delay", "0:2:20"], [], [(0, 2)]),
+    ("real healthy pp2 dp2", 4, PP2, [], [], []),
+    ("real healthy tp2 pp2", 4, TP2PP2, [], [], []),
+    ("real pp2 dp2 rank1 1.15x", 4, PP2, ["--inject-slowdown", "1:1.15"], [1], []),
+    ("real pp2 dp2 rank1 1.5x", 4, PP2, ["--inject-slowdown", "1:1.5"], [1], []),
+    ("real tp2 pp2 rank2 2x", 4, TP2PP2, ["--inject-slowdown", "2:2"], [2], []),
+    ("real tp2 dp2 rank3 1.5x", 4, TP2, ["--inject-slowdown", "3:1.5"], [3], []),
+    ("real pp2 dp2 rank2 3x", 4, PP2, ["--inject-slowdown", "2:3"], [2], []),
+    ("real pp2 dp2 two faults", 4, PP2, ["--inject-slowdown", "0:2", "--inject-slowdown", "3:1.5"], [0, 3], []),
+    ("real pp2 dp2 link 0->2 20ms", 4, PP2, ["--inject-link-delay", "0:2:20"], [], [(0, 2)]),
+    ("real healthy tp2 pp2 dp2", 8, TP2PP2, [], [], []),
+    ("real tp2 pp2 dp2 rank5 1.5x", 8, TP2PP2, ["--inject-slowdown", "5:1.5"], [5], []),
+    ("real pp4 dp2 rank6 3x", 8, PP4, ["--inject-slowdown", "6:3"], [6], []),
 ]
 
 
@@ -78,25 +84,26 @@ def run_synthetic(max_ranks: int):
 def run_real(keep: str | None = None):
     from launch import torchrun
 
-    for name, layout, inject, ranks, links in REAL:
+    for name, nproc, layout, inject, ranks, links in REAL:
         with tempfile.TemporaryDirectory() as scratch:
             directory = os.path.join(keep, name.replace(" ", "_").replace(">", "")) if keep else scratch
             if keep and any(Path(directory).glob("benchmark-*")):
                 # Traces kept by an earlier --keep run are re-scored, not re-run.
-                yield name, 4, score(run_detection(directory, jobs=1), ranks, links), 0.0
+                yield name, nproc, score(run_detection(directory, jobs=1), ranks, links), 0.0
                 continue
-            proc = torchrun("pretrain_gpt.py", [*MODEL, *layout, *inject, "--trace-dir", directory], nproc=4, timeout=600)
+            proc = torchrun("pretrain_gpt.py", [*MODEL, *layout, *inject, "--trace-dir", directory], nproc=nproc,
+                            timeout=900)
             if proc.returncode != 0:
                 print(f"{name}: training failed\n{proc.stderr[-1500:]}", file=sys.stderr)
                 continue
             started = time.perf_counter()
             detection = run_detection(directory, jobs=1)
-            yield name, 4, score(detection, ranks, links), time.perf_counter() - started
+            yield name, nproc, score(detection, ranks, links), time.perf_counter() - started
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--real", action="store_true", help="also run the real 4-rank CPU scenarios (minutes)")
+    parser.add_argument("--real", action="store_true", help="also run the real 4- and 8-rank CPU scenarios (minutes)")
     parser.add_argument("--real-only", action="store_true")
     parser.add_argument("--max-ranks", type=int, default=1024)
     parser.add_argument("--keep", default=None, metavar="DIR",
