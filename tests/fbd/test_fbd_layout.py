@@ -1,0 +1,55 @@
+"""Role layout, start-up maps, process-group kinds and the megatron-core globals FBD installs."""
+from __future__ import annotations
+
+import pytest
+
+from megatron.app.config import ConfigError
+from megatron.fbd.groups import missing_parallel_state_globals
+from megatron.fbd.layout import build_layout
+
+
+def test_each_logical_rank_gets_one_forward_and_one_backward_rank():
+    layout = build_layout(16, tp=2, pp=2, ignore_forward_tp=False)
+    assert (layout.replicas, layout.mesh_size) == (2, 8)
+    seen = {}
+    for i in layout.instances():
+        seen.setdefault((i.replica, i.stage, i.tp_rank), []).append(i.role)
+    assert len(seen) == 8 and all(sorted(roles) == ["bwd", "fwd"] for roles in seen.values())
+    # Backward ranks form megatron-core's order (tp fastest, then dp, then pp) on ranks 0..7.
+    assert [layout.backward_of(r, s, t) for s in range(2) for r in range(2) for t in range(2)] == list(range(8))
+    assert layout.partners(layout.forward_of(1, 1, 1)) == [layout.backward_of(1, 1, 1)]
+    groups = layout.groups()
+    assert [0, 2] in groups["dp"] and [0, 1] in groups["tp"] and [0, 4] in groups["pp"]
+    assert [8, 10] in groups["dp"] and [8, 12] in groups["pp"]  # forward instances have their own mesh
+
+
+def test_merged_forward_needs_tp_plus_one_over_two_tp_of_the_ranks():
+    for tp in (2, 4):
+        before = 2 * tp * 2  # tp x pp(2) x dp(2)
+        layout = build_layout(before * (tp + 1) // (2 * tp), tp=tp, pp=2, ignore_forward_tp=True)
+        assert layout.replicas == 1 and layout.forward_tp == 1
+        forward = [i for i in layout.instances() if i.is_forward]
+        assert len(forward) == 2 and all(i.tp_size == 1 for i in forward)
+        assert layout.partners(forward[0].rank) == [layout.backward_of(0, 0, t) for t in range(tp)]
+
+
+def test_maps_name_every_rank():
+    layout = build_layout(4, tp=1, pp=2, ignore_forward_tp=False)
+    physical, virtual = layout.physical_map(), layout.virtual_map()
+    assert "rank   2: fwd instance of replica 0 stage 0 tp 0/1" in physical
+    assert "dp 0 pp 1 tp 0: fwd rank 3, bwd rank 1" in virtual
+
+
+@pytest.mark.parametrize("world,tp,pp,ignore,fragment", [
+    (6, 1, 2, False, "data-parallel size must be even: world_size(6) / (tp(1) x pp(2)) = dp(3) is odd"),
+    (5, 2, 1, False, "tp(2) x pp(1) x dp(2) = 4 != world_size(5)"),
+    (4, 2, 1, True, "multiple of pp(1) x (tp(2) + 1) = 3"),
+])
+def test_impossible_layouts_name_every_factor(world, tp, pp, ignore, fragment):
+    with pytest.raises(ConfigError, match=None) as info:
+        build_layout(world, tp, pp, ignore)
+    assert fragment in str(info.value)
+
+
+def test_megatron_core_still_has_the_parallel_state_globals_fbd_sets():
+    assert missing_parallel_state_globals() == []

@@ -1,0 +1,38 @@
+"""A traced FBD run (PP=2 on 4 ranks): forward and backward instances write separate files with a
+role suffix and header field, and appear as separate, labelled tracks in the aggregated trace."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from launch import python
+from test_fbd_equivalence import fbd_run, launch_dir
+
+from megatron.scan.trace_format import read_rank_file, trace_file_name
+
+# (rank, role, pp) for PP=2 on 4 ranks: backward instances first (the training mesh), then forward.
+ROLES = [(0, "bwd", 0), (1, "bwd", 1), (2, "fwd", 0), (3, "fwd", 1)]
+
+
+def test_roles_are_separate_tracks_in_the_aggregated_trace(tmp_path):
+    fbd_run("pp2")
+    trace_dir = launch_dir("pp2") / "trace"
+    assert sorted(p.name for p in trace_dir.iterdir()) == sorted(trace_file_name(0, pp, 0, role) for _, role, pp in ROLES)
+    for rank, role, pp in ROLES:
+        f = read_rank_file(trace_dir / trace_file_name(0, pp, 0, role))
+        assert f.header["rank"] == rank and f.header["role"] == role and f.header["world_size"] == 4
+        assert f.header["coordinates"] == {"dp": 0, "pp": pp, "tp": 0}
+        names = Counter(f.names[i] for i in f.columns["name"])
+        assert names["forward"] == 4 * 4  # 4 traced iterations x 4 microbatches (recomputation on bwd)
+        assert names["backward"] == (16 if role == "bwd" else 0)
+        assert names["optimizer"] == (4 if role == "bwd" else 0)
+    out = tmp_path / "out.json"
+    proc = python(["scripts/aggregate.py", "-b", str(trace_dir), "-o", str(out)], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "0 unmatched sends, 0 unmatched receives" in proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    labels = {e["pid"]: e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert labels == {rank: f"DP0-PP{pp}-TP0 {role} (rank {rank})" for rank, role, pp in ROLES}
+    spans = Counter((e["pid"], e["name"]) for e in data["traceEvents"] if e["ph"] == "X")
+    assert all(spans[(rank, "backward")] == 0 for rank, role, _ in ROLES if role == "fwd")
+    assert all(spans[(rank, "backward")] > 0 for rank, role, _ in ROLES if role == "bwd")
