@@ -23,9 +23,9 @@ def test_roles_are_separate_tracks_in_the_aggregated_trace(tmp_path):
         assert f.header["rank"] == rank and f.header["role"] == role and f.header["world_size"] == 4
         assert f.header["coordinates"] == {"dp": 0, "pp": pp, "tp": 0}
         names = Counter(f.names[i] for i in f.columns["name"])
-        assert names["forward"] == 4 * 4  # 4 traced iterations x 4 microbatches (recomputation on bwd)
-        assert names["backward"] == (16 if role == "bwd" else 0)
-        assert names["optimizer"] == (4 if role == "bwd" else 0)
+        assert names["forward"] == 8 * 4  # 8 traced iterations (windows of 2 every 5) x 4 microbatches; bwd: recomputation
+        assert names["backward"] == (32 if role == "bwd" else 0)
+        assert names["optimizer"] == (8 if role == "bwd" else 0)
     out = tmp_path / "out.json"
     proc = python(["scripts/aggregate.py", "-b", str(trace_dir), "-o", str(out)], timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
