@@ -42,8 +42,6 @@ def layout_problems(cfg, layout_error: str | None) -> list[str]:
     if cfg.parallel.num_layers_per_virtual_pipeline_stage:
         problems.append("--num-layers-per-virtual-pipeline-stage: each FBD instance runs one model chunk per stage; "
                         "drop the virtual pipeline")
-    if t.eval_interval:
-        problems.append("--eval-interval: evaluation is not disaggregated; drop --eval-interval/--eval-iters")
     if getattr(args, "use_dpp", False):
         problems.append("--use-dpp: FBD replaces the whole step (forward instances run ahead), so a dynamic "
                         "pipeline executor has nothing to schedule; use one or the other")

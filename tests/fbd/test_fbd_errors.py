@@ -15,7 +15,7 @@ FBD = ["--forward-backward-disaggregating"]
     (6, [*FBD, "--pipeline-model-parallel-size", "2"], ["dp(3) is odd", "launch 8 ranks"]),
     (4, [*FBD, "--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-model-parallel-size", "2"],
      ["--num-layers-per-virtual-pipeline-stage: each FBD instance runs one model chunk"]),
-    (2, [*FBD, "--eval-interval", "5", "--eval-iters", "1"], ["evaluation is not disaggregated"]),
+    (2, [*FBD, "--device", "cuda"], ["--device cuda: the disaggregated step runs on the CPU backend"]),
     (3, [*FBD, "--ignore-forward-tensor-parallel", "--tensor-model-parallel-size", "2", "--attention-dropout", "0.1"],
      ["--attention-dropout 0.1 with --ignore-forward-tensor-parallel"]),
     (3, [*FBD, "--ignore-forward-tensor-parallel", "--tensor-model-parallel-size", "2", "--load", "/nowhere"],
