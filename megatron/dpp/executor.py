@@ -59,7 +59,9 @@ class DynamicPipelineExecutor(PipelineExecutor):
         self._waiting: dict[Task, tuple[torch.Tensor, object, dict]] = {}  # posted, not arrived yet
         self._arrived: set[Task] = set()
         state = RankState(rank=pp_rank, layout=layout, remaining=set(work))
-        policy = DppPolicy(self.policy_name, layout, None if forward_only else self.budget)
+        # Forward-only runs store nothing, so no budget applies.
+        everything = layout.num_chunks * layout.num_microbatches
+        policy = DppPolicy(self.policy_name, layout, everything if forward_only else self.budget)
         self.last_order = state.executed
         try:
             for task in work:

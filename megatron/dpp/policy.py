@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from megatron.app.schedule import PipelineLayout, Task, TaskKind, build_schedule
+from megatron.app.schedule import PipelineLayout, ScheduleError, Task, TaskKind, build_schedule
 
 __all__ = ["POLICY_NAMES", "DppPolicy", "MemoryLedger", "minimum_budget", "static_peak_activations",
            "dpp_policies", "task_priority", "default_budget"]
@@ -76,8 +76,15 @@ def static_peak_activations(layout: PipelineLayout, schedule: str = "auto", pp_r
     """Peak stored activations of a static order on `pp_rank` (rank 0 stores the most)."""
     if schedule == "auto":
         schedule = "1f1b" if layout.num_chunks == 1 else "interleaved"
+    try:
+        order = build_schedule(schedule, layout, pp_rank)
+    except ScheduleError:
+        # Interleaving needs whole groups of pp_size microbatches; the dynamic policies do not, and
+        # compare themselves with the warmup the interleaved order would have had.
+        warmup = (layout.pp_size - pp_rank - 1) * 2 + (layout.num_chunks - 1) * layout.pp_size
+        return min(warmup + 1, layout.num_chunks * layout.num_microbatches)
     stored = peak = 0
-    for task in build_schedule(schedule, layout, pp_rank):
+    for task in order:
         stored += 1 if task.is_forward else -1
         peak = max(peak, stored)
     return peak
@@ -123,13 +130,15 @@ class MemoryLedger:
 
 
 class DppPolicy:
-    """One rank's dynamic policy. `choose(state, ready)` returns the highest-priority ready task that
+    """One rank's dynamic policy (budget None: the policy's default_budget). `choose(state, ready)` returns the highest-priority ready task that
     the memory budget admits, or None to wait for the next arrival. `state` needs `executed` (tasks
     in start order) and `stored_activations`, as megatron.app.simulator.RankState has."""
 
     def __init__(self, name: str, layout: PipelineLayout, budget: int | None = None) -> None:
         if name not in POLICY_NAMES:
             raise ValueError(f"unknown DPP policy {name!r}: choose one of {', '.join(POLICY_NAMES)}")
+        if budget is None:
+            budget = default_budget(name, layout)
         if budget is not None and budget < minimum_budget(layout):
             raise ValueError(f"memory budget {budget} is below the minimum {minimum_budget(layout)} "
                              f"(num_chunks={layout.num_chunks}) that any schedule needs")

@@ -1,0 +1,92 @@
+"""DPP policies in the simulator: no deadlock and the memory budget kept under random compute and
+communication delays (seeded, many cases); choice rules; peak activations of each policy vs 1F1B."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from megatron.app.schedule import PipelineLayout, Task
+from megatron.app.simulator import CostModel, RankState, simulate, simulate_schedule, static_policies
+from megatron.dpp.policy import (DppPolicy, default_budget, dpp_policies, minimum_budget,
+                                 static_peak_activations)
+
+
+def _random_case(seed: int) -> tuple[PipelineLayout, CostModel]:
+    rng = random.Random(seed)
+    pp, chunks = rng.choice([1, 2, 3, 4, 6]), rng.choice([1, 1, 2, 3])
+    layout = PipelineLayout(pp, chunks, rng.choice([1, 2, 3, 4, 5, 8, 12]))
+    costs = CostModel(forward_time=rng.uniform(0.2, 3), backward_time=rng.uniform(0.2, 5),
+                      p2p_latency=rng.uniform(0, 3), jitter=rng.uniform(0, 1), link_jitter=rng.uniform(0, 1),
+                      rank_slowdown={rng.randrange(pp): rng.uniform(1, 4)},
+                      link_latency={(rng.randrange(pp), rng.randrange(pp)): rng.uniform(0, 10)}, seed=seed)
+    return layout, costs
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "dfc", "bfc"])
+def test_random_delays_never_deadlock_and_keep_the_budget(policy):
+    for seed in range(250):
+        layout, costs = _random_case(seed)
+        rng = random.Random(seed * 7 + 1)
+        budget = rng.choice([None, minimum_budget(layout), default_budget("adaptive", layout),
+                             rng.randint(minimum_budget(layout), layout.num_chunks * layout.num_microbatches)])
+        result = simulate(layout, dpp_policies(layout, policy, budget), costs)  # raises on deadlock
+        assert len(result.records) == 2 * layout.pp_size * layout.num_chunks * layout.num_microbatches
+        if budget is not None:
+            assert max(result.peak_stored_activations) <= budget, (seed, layout, budget)
+
+
+def test_adaptive_default_budget_is_kept_under_jitter():
+    for seed in range(100):
+        layout, costs = _random_case(seed)
+        budget = default_budget("adaptive", layout)
+        result = simulate(layout, dpp_policies(layout, "adaptive"), costs)
+        assert max(result.peak_stored_activations) <= budget
+
+
+def _state(layout, executed, stored):
+    return RankState(rank=0, layout=layout, executed=[Task.parse(t) for t in executed], stored_activations=stored)
+
+
+def test_choice_rules():
+    layout = PipelineLayout(2, 2, 4)
+    ready = [Task.parse(t) for t in ("F0.2", "F1.0", "B1.1")]
+    executed = ["F0.0", "F0.1", "F1.1"]
+    assert str(DppPolicy("dfc", layout).choose(_state(layout, executed, 3), ready)) == "B1.1"
+    assert str(DppPolicy("bfc", layout).choose(_state(layout, executed, 3), ready)) == "F0.2"
+    assert str(DppPolicy("adaptive", layout, 8).choose(_state(layout, executed, 3), ready)) == "B1.1"
+    forwards = [Task.parse("F0.2"), Task.parse("F1.0")]
+    assert str(DppPolicy("adaptive", layout, 8).choose(_state(layout, executed, 3), forwards)) == "F0.2"
+    # At the budget a new microbatch (F0.2) is not admitted; F1.0 belongs to a started one and is.
+    assert str(DppPolicy("adaptive", layout, 4).choose(_state(layout, executed, 3), forwards)) == "F1.0"
+    assert DppPolicy("adaptive", layout, 4).choose(_state(layout, executed, 3), [Task.parse("F0.2")]) is None
+
+
+def test_budget_below_minimum_is_refused():
+    with pytest.raises(ValueError, match="below the minimum 2"):
+        DppPolicy("adaptive", PipelineLayout(4, 2, 8), 1)
+
+
+def test_peak_activations_ordering():
+    """dfc runs backwards first and stores less than breadth-first bfc (which stores every microbatch,
+    like GPipe); 1F1B stores the least; adaptive stays at its budget."""
+    layout = PipelineLayout(4, 1, 8)
+    peaks = {"1f1b": simulate_schedule("1f1b", layout).peak_stored_activations}
+    for policy in ("dfc", "bfc", "adaptive"):
+        peaks[policy] = simulate(layout, dpp_policies(layout, policy)).peak_stored_activations
+    assert peaks["1f1b"] == (4, 3, 2, 1)
+    assert peaks["bfc"] == (8, 8, 8, 8)
+    assert all(a <= b <= c for a, b, c in zip(peaks["1f1b"], peaks["dfc"], peaks["bfc"]))
+    assert sum(peaks["dfc"]) < sum(peaks["bfc"])
+    assert max(peaks["adaptive"]) <= default_budget("adaptive", layout) == 8
+    budget = static_peak_activations(layout)
+    for policy in ("dfc", "bfc", "adaptive"):
+        assert max(simulate(layout, dpp_policies(layout, policy, budget)).peak_stored_activations) <= budget
+
+
+def test_dynamic_policy_absorbs_a_slow_link_better_than_1f1b():
+    layout = PipelineLayout(4, 1, 8)
+    costs = CostModel(link_latency={(1, 2): 3.0, (2, 1): 3.0})
+    static = simulate(layout, static_policies(layout, "1f1b"), costs).makespan
+    dynamic = simulate(layout, dpp_policies(layout, "adaptive"), costs).makespan
+    assert dynamic < 0.9 * static, (dynamic, static)
