@@ -1,0 +1,125 @@
+"""Compare the static schedule with the DPP policies on the simulator's cost model, over many
+jitter seeds: mean and p95 makespan, ratio to static, peak stored activations.
+`python -m megatron.dpp.simulate --help`."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron.app.schedule import PipelineLayout, ScheduleError
+from megatron.app.simulator import CostModel, SimulationDeadlock, simulate, static_policies, write_chrome_trace
+
+from .policy import POLICY_NAMES, default_budget, dpp_policies
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    name: str
+    makespans: tuple[float, ...]  # one per seed
+    peak_activations: int  # max over ranks and seeds
+    budget: int | None
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.makespans)
+
+    @property
+    def p95(self) -> float:
+        ordered = sorted(self.makespans)
+        return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+
+
+def compare(layout: PipelineLayout, costs: CostModel, *, seeds: int = 1, budget: int | None = None,
+            static: str | None = None, policies: Sequence[str] = POLICY_NAMES) -> list[Comparison]:
+    """The static order (first row) and each policy on the same per-seed costs."""
+    static = static or ("1f1b" if layout.num_chunks == 1 else "interleaved")
+    runs: dict[str, list] = {static: []} | {policy: [] for policy in policies}
+    budgets: dict[str, int | None] = {static: None}
+    for seed in range(seeds):
+        seeded = CostModel(**{**_fields(costs), "seed": costs.seed + seed})
+        runs[static].append(simulate(layout, static_policies(layout, static), seeded))
+        for policy in policies:
+            chosen = budget if budget is not None else default_budget(policy, layout)
+            budgets[policy] = chosen
+            runs[policy].append(simulate(layout, dpp_policies(layout, policy, chosen), seeded))
+    return [Comparison(name, tuple(r.makespan for r in results),
+                       max(max(r.peak_stored_activations) for r in results), budgets[name])
+            for name, results in runs.items()]
+
+
+def _fields(costs: CostModel) -> dict:
+    return {name: getattr(costs, name) for name in costs.__dataclass_fields__}
+
+
+def format_table(rows: Sequence[Comparison]) -> str:
+    base = rows[0].mean
+    lines = [f"{'schedule':<12} {'mean ms':>9} {'p95 ms':>9} {'vs static':>9} {'peak act.':>9} {'budget':>8}"]
+    for row in rows:
+        budget = "-" if row.budget is None else str(row.budget)
+        lines.append(f"{row.name:<12} {row.mean:>9.2f} {row.p95:>9.2f} {row.mean / base:>8.2f}x "
+                     f"{row.peak_activations:>9} {budget:>8}")
+    return "\n".join(lines)
+
+
+def _link(text: str) -> tuple[tuple[int, int], float]:
+    try:
+        src, dst, ms = text.split(":")
+        return (int(src), int(dst)), float(ms)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected SRC:DST:MS such as 1:2:3, got {text!r}") from None
+
+
+def _slow(text: str) -> tuple[int, float]:
+    try:
+        rank, factor = text.split(":")
+        return int(rank), float(factor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RANK:FACTOR such as 2:1.5, got {text!r}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron.dpp.simulate",
+                                     description="Static schedule vs DPP policies on a simulated pipeline.")
+    parser.add_argument("--pp", type=int, required=True)
+    parser.add_argument("--chunks", type=int, default=1)
+    parser.add_argument("--microbatches", type=int, required=True)
+    parser.add_argument("--forward-ms", type=float, default=1.0)
+    parser.add_argument("--backward-ms", type=float, default=2.0)
+    parser.add_argument("--p2p-ms", type=float, default=0.0)
+    parser.add_argument("--link-ms", type=_link, action="append", default=[], metavar="SRC:DST:MS")
+    parser.add_argument("--slow-rank", type=_slow, action="append", default=[], metavar="RANK:FACTOR")
+    parser.add_argument("--jitter", type=float, default=0.0, help="relative compute jitter in [0, 1]")
+    parser.add_argument("--link-jitter", type=float, default=0.0, help="relative transfer jitter in [0, 1]")
+    parser.add_argument("--seeds", type=int, default=20, help="jitter seeds to average over")
+    parser.add_argument("--budget", type=int, default=None, help="stored activations per rank (all policies)")
+    parser.add_argument("--policy", choices=POLICY_NAMES, action="append", default=None)
+    parser.add_argument("--chrome-trace", metavar="PATH", help="Chrome trace of the first policy, first seed")
+    args = parser.parse_args(argv)
+    policies = args.policy or list(POLICY_NAMES)
+    try:
+        layout = PipelineLayout(args.pp, args.chunks, args.microbatches)
+        costs = CostModel(forward_time=args.forward_ms, backward_time=args.backward_ms, p2p_latency=args.p2p_ms,
+                          link_latency=dict(args.link_ms), rank_slowdown=dict(args.slow_rank), jitter=args.jitter,
+                          link_jitter=args.link_jitter)
+        rows = compare(layout, costs, seeds=max(1, args.seeds), budget=args.budget, policies=policies)
+    except (ValueError, ScheduleError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except SimulationDeadlock as deadlock:
+        print(str(deadlock), file=sys.stderr)
+        return 1
+    print(f"pp={args.pp} chunks={args.chunks} microbatches={args.microbatches} seeds={args.seeds} "
+          f"jitter={args.jitter} link-jitter={args.link_jitter}")
+    print(format_table(rows))
+    if args.chrome_trace:
+        budget = args.budget if args.budget is not None else default_budget(policies[0], layout)
+        write_chrome_trace(simulate(layout, dpp_policies(layout, policies[0], budget), costs), args.chrome_trace)
+        print(f"chrome trace ({policies[0]}): {args.chrome_trace}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
