@@ -1,8 +1,10 @@
 """Shared launches for the FBD tests: each (baseline, FBD) pair runs once per test session."""
 from __future__ import annotations
 
+import atexit
 import functools
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -18,6 +20,7 @@ MODEL = [
 ]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|")
 _ROOT = Path(tempfile.mkdtemp(prefix="fbd-tests-"))
+atexit.register(shutil.rmtree, _ROOT, True)
 
 
 @functools.lru_cache(maxsize=None)
