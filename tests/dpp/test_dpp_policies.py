@@ -90,3 +90,15 @@ def test_dynamic_policy_absorbs_a_slow_link_better_than_1f1b():
     static = simulate(layout, static_policies(layout, "1f1b"), costs).makespan
     dynamic = simulate(layout, dpp_policies(layout, "adaptive"), costs).makespan
     assert dynamic < 0.9 * static, (dynamic, static)
+
+
+def test_simulate_cli_compares_policies_with_static(capsys):
+    from megatron.dpp.simulate import main
+
+    assert main(["--pp", "4", "--microbatches", "8", "--link-ms", "1:2:3", "--seeds", "2"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in table[2:]}
+    assert set(rows) == {"1f1b", "adaptive", "dfc", "bfc"}
+    assert rows["1f1b"][3] == "1.00x" and float(rows["adaptive"][3].rstrip("x")) < 0.9
+    assert main(["--pp", "4", "--chunks", "2", "--microbatches", "8", "--budget", "1"]) == 2
+    assert "below the minimum 2" in capsys.readouterr().err
