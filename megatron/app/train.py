@@ -184,7 +184,8 @@ def train(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
         f"training: {t.train_iters} iterations, global batch {t.global_batch_size}, "
         f"{cfg.num_microbatches} microbatches of {t.micro_batch_size} per dp rank, "
         f"tp={cfg.parallel.tensor_model_parallel_size} pp={cfg.parallel.pipeline_model_parallel_size} "
-        f"dp={cfg.parallel.data_parallel_size} vpp chunks={cfg.num_chunks}, schedule {pick_schedule_name(cfg)}, "
+        f"dp={cfg.parallel.data_parallel_size} vpp chunks={cfg.num_chunks}, "
+        f"schedule {getattr(ctx.executor, 'schedule_name', None) or pick_schedule_name(cfg)}, "
         f"device {ctx.backend.name}, plugins {plugins.names or 'none'}"
     )
     while ctx.iteration < t.train_iters:

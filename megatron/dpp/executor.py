@@ -45,6 +45,11 @@ class DynamicPipelineExecutor(PipelineExecutor):
         self.last_order: list[Task] = []  # the order of the last iteration, for tests and logs
         self.peak_stored_activations = 0  # over every iteration run so far
 
+    @property
+    def schedule_name(self) -> str:
+        """What the trainer's start-up line prints as the schedule."""
+        return f"dpp-{self.policy_name} (budget {self.budget if self.budget is not None else 'none'})"
+
     # --- public -----------------------------------------------------------------------
     def run(self, tasks: Sequence[Task], get_microbatch: Callable[[int], Microbatch],
             forward_only: bool = False) -> IterationResult:

@@ -30,6 +30,7 @@ def test_dpp_trace_aggregates_with_every_send_linked(traced_dpp, tmp_path):
 
     trace_dir, proc = traced_dpp
     assert "[dpp] policy adaptive" in proc.stdout
+    assert "schedule dpp-adaptive (budget" in proc.stdout  # the trainer's start-up line names the dynamic order
     output = tmp_path / "merged.json"
     result = aggregate(trace_dir, output, jobs=2)
     trace, p2p = result.trace, result.p2p
