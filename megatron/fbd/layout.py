@@ -22,6 +22,7 @@ class Instance:
     stage: int
     tp_rank: int
     tp_size: int
+    slot: int = 0  # thread slot in its process (--forward-instances-per-process > 1), else 0
 
     @property
     def is_forward(self) -> bool:
@@ -31,13 +32,20 @@ class Instance:
 @dataclass(frozen=True, slots=True)
 class FBDLayout:
     """Backward instances form the training mesh tp x pp x replicas (megatron order: tp fastest,
-    then replica, then stage) on ranks [0, tp*pp*replicas); forward instances follow."""
+    then replica, then stage) on ranks [0, tp*pp*replicas); forward instances follow. With
+    `forward_per_process` = pp (> 1, TP=1), one process per replica hosts the forward instances of
+    all its stages as threads (thread slot = stage)."""
 
     world_size: int
     tp: int
     pp: int
     replicas: int
     ignore_forward_tp: bool
+    forward_per_process: int = 1
+
+    @property
+    def threaded(self) -> bool:
+        return self.forward_per_process > 1
 
     @property
     def forward_tp(self) -> int:
@@ -51,19 +59,31 @@ class FBDLayout:
     def _rank(self, role: str, replica: int, stage: int, tp_rank: int) -> int:
         tp = self.tp if role == BACKWARD else self.forward_tp
         base = 0 if role == BACKWARD else self.mesh_size
+        if role == FORWARD and self.threaded:
+            return base + replica
         return base + tp_rank + tp * (replica + self.replicas * stage)
 
     def instance(self, rank: int) -> Instance:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size}")
+        return self.hosted(rank)[0]
+
+    def hosted(self, rank: int) -> list[Instance]:
+        """Every instance process `rank` runs: one, or one per thread slot of a threaded forward host."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.world_size}")
+        if self.threaded and rank >= self.mesh_size:
+            replica = rank - self.mesh_size
+            return [Instance(rank=rank, role=FORWARD, replica=replica, stage=s, tp_rank=0, tp_size=1, slot=s)
+                    for s in range(self.pp)]
         role, local, tp = (BACKWARD, rank, self.tp) if rank < self.mesh_size else (
             FORWARD, rank - self.mesh_size, self.forward_tp)
         tp_rank, rest = local % tp, local // tp
-        return Instance(rank=rank, role=role, replica=rest % self.replicas, stage=rest // self.replicas,
-                        tp_rank=tp_rank, tp_size=tp)
+        return [Instance(rank=rank, role=role, replica=rest % self.replicas, stage=rest // self.replicas,
+                         tp_rank=tp_rank, tp_size=tp)]
 
     def instances(self) -> Iterator[Instance]:
-        return (self.instance(r) for r in range(self.world_size))
+        return (i for r in range(self.world_size) for i in self.hosted(r))
 
     def backward_of(self, replica: int, stage: int, tp_rank: int) -> int:
         return self._rank(BACKWARD, replica, stage, tp_rank)
@@ -72,10 +92,14 @@ class FBDLayout:
         """The forward instance holding the weights of backward TP rank `tp_rank`."""
         return self._rank(FORWARD, replica, stage, 0 if self.ignore_forward_tp else tp_rank)
 
-    def partners(self, rank: int) -> list[int]:
-        """Backward instance(s) feeding the forward instance `rank` with weights, or the forward
+    def forward_slot(self, replica: int, stage: int) -> int:
+        """Thread slot of a forward instance in its process."""
+        return stage if self.threaded else 0
+
+    def partners(self, rank: int | Instance) -> list[int]:
+        """Backward instance(s) feeding forward instance `rank` with weights, or the forward
         instance a backward instance receives stage inputs from (a one-element list)."""
-        me = self.instance(rank)
+        me = self.instance(rank) if isinstance(rank, int) else rank
         if me.is_forward:
             tps = range(self.tp) if self.ignore_forward_tp else [me.tp_rank]
             return [self.backward_of(me.replica, me.stage, t) for t in tps]
@@ -87,6 +111,15 @@ class FBDLayout:
         result: dict[str, list[list[int]]] = {k: [] for k in ("tp", "pp", "dp", "mp", "tp_dp", "embedding",
                                                                 "position_embedding", "self")}
         for role, tp in ((BACKWARD, self.tp), (FORWARD, self.forward_tp)):
+            if role == FORWARD and self.threaded:
+                # One process per replica holds every stage: its pipeline, model-parallel and
+                # embedding groups are itself; its DP group is the forward hosts of all replicas.
+                hosts = [self.mesh_size + rep for rep in range(self.replicas)]
+                for kind in ("mp", "tp", "pp", "embedding", "position_embedding"):
+                    result[kind] += [[h] for h in hosts]
+                result["dp"].append(hosts)
+                result["tp_dp"].append(hosts)
+                continue
             r = lambda replica, stage, t: self._rank(role, replica, stage, t)  # noqa: E731
             for replica in range(self.replicas):
                 result["mp"].append([r(replica, s, t) for s in range(self.pp) for t in range(tp)])
@@ -116,8 +149,9 @@ class FBDLayout:
         """One line per physical rank: what it runs."""
         lines = [f"FBD physical rank map ({self.world_size} ranks):"]
         for i in self.instances():
+            thread = f" (thread {i.slot})" if self.threaded and i.is_forward else ""
             lines.append(f"  rank {i.rank:3d}: {i.role} instance of replica {i.replica} stage {i.stage} "
-                         f"tp {i.tp_rank}/{i.tp_size}")
+                         f"tp {i.tp_rank}/{i.tp_size}{thread}")
         return "\n".join(lines)
 
     def virtual_map(self) -> str:
@@ -132,10 +166,13 @@ class FBDLayout:
         return "\n".join(lines)
 
 
-def build_layout(world_size: int, tp: int, pp: int, ignore_forward_tp: bool) -> FBDLayout:
+def build_layout(world_size: int, tp: int, pp: int, ignore_forward_tp: bool,
+                 forward_per_process: int = 1) -> FBDLayout:
     """The layout for a physical world; ConfigError naming every factor when it cannot work."""
     if tp < 1 or pp < 1:
         raise ConfigError(f"tp({tp}) and pp({pp}) must be >= 1")
+    if forward_per_process != 1:
+        return _threaded_layout(world_size, tp, pp, ignore_forward_tp, forward_per_process)
     if ignore_forward_tp:
         per_replica = pp * (tp + 1)  # tp backward ranks + 1 merged forward rank per stage
         if world_size % per_replica != 0:
@@ -160,3 +197,25 @@ def build_layout(world_size: int, tp: int, pp: int, ignore_forward_tp: bool) -> 
             f"launch {2 * tp * pp * ((dp + 1) // 2)} ranks (dp {dp + 1}) or drop the flag"
         )
     return FBDLayout(world_size=world_size, tp=tp, pp=pp, replicas=dp // 2, ignore_forward_tp=False)
+
+
+def _threaded_layout(world_size: int, tp: int, pp: int, ignore_forward_tp: bool, n: int) -> FBDLayout:
+    """--forward-instances-per-process n: supported is n = pp with TP=1, i.e. one process per replica
+    hosting the forward instances of all its stages as threads (no forward TP collectives between
+    threads, and every forward-to-forward hand-off stays in the process)."""
+    if n < 1:
+        raise ConfigError(f"--forward-instances-per-process must be >= 1, got {n}")
+    if tp != 1 or ignore_forward_tp:
+        raise ConfigError(
+            f"--forward-instances-per-process {n} needs tp(1) without --ignore-forward-tensor-parallel: threads "
+            f"sharing a process cannot run tensor-parallel collectives inside the layers; got tp({tp})")
+    if n != pp:
+        raise ConfigError(
+            f"--forward-instances-per-process {n} must equal pp({pp}): this version hosts the forward instances "
+            f"of all stages of one replica in one process")
+    if world_size % (pp + 1) != 0:
+        raise ConfigError(
+            f"--forward-instances-per-process {n} needs world_size to be a multiple of pp({pp}) + 1 = {pp + 1} "
+            f"(pp backward ranks and one forward process per replica), got world_size({world_size})")
+    return FBDLayout(world_size=world_size, tp=tp, pp=pp, replicas=world_size // (pp + 1),
+                     ignore_forward_tp=False, forward_per_process=n)

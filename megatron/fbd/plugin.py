@@ -23,6 +23,12 @@ def add_fbd_arguments(parser: argparse.ArgumentParser) -> None:
                    help="merge the forward instances of one TP group into one rank holding the full stage")
     g.add_argument("--forward-device", choices=["cuda", "cpu"], default=None,
                    help="device of the forward instances (default: the --device of the run)")
+    g.add_argument("--forward-instances-per-process", type=int, default=1, metavar="N",
+                   help="host N forward instances per process as threads, their collectives through the "
+                        "communication coordinator; supported: N = pp with TP=1 (one process per replica)")
+    g.add_argument("--fbd-loss-log", default=None, metavar="DIR",
+                   help="the last stage's forward and backward instances append each microbatch's loss "
+                        "to DIR/{fwd,bwd}-replica{r}.jsonl (forward loss vs the backward's recomputation)")
 
 
 def layout_problems(cfg, layout_error: str | None) -> list[str]:
@@ -31,7 +37,10 @@ def layout_problems(cfg, layout_error: str | None) -> list[str]:
     problems = [layout_error] if layout_error else []
     if not args.forward_backward_disaggregating:
         used = [f for f, on in (("--ignore-forward-tensor-parallel", args.ignore_forward_tensor_parallel),
-                                ("--forward-device", args.forward_device is not None)) if on]
+                                ("--forward-device", args.forward_device is not None),
+                                ("--fbd-loss-log", args.fbd_loss_log is not None),
+                                ("--forward-instances-per-process", args.forward_instances_per_process != 1))
+                if on]
         return [f"{' and '.join(used)} only apply with --forward-backward-disaggregating; add it or drop them"]
     if t.device == "cuda":
         problems.append("--device cuda: the disaggregated step runs on the CPU backend (gloo) only in this "
@@ -45,6 +54,14 @@ def layout_problems(cfg, layout_error: str | None) -> list[str]:
     if getattr(args, "use_dpp", False):
         problems.append("--use-dpp: FBD replaces the whole step (forward instances run ahead), so a dynamic "
                         "pipeline executor has nothing to schedule; use one or the other")
+    if args.forward_instances_per_process > 1:
+        n = args.forward_instances_per_process
+        if getattr(args, "trace", False):
+            problems.append(f"--trace with --forward-instances-per-process {n}: the trace observer records one "
+                            "track per process and is not thread-safe; trace with one instance per process")
+        if t.eval_interval:
+            problems.append(f"--eval-interval with --forward-instances-per-process {n}: evaluation runs the "
+                            "trainer's pipeline executor, which needs one stage per process; drop --eval-interval")
     if args.ignore_forward_tensor_parallel:
         if m.attention_dropout > 0 and cfg.parallel.tensor_model_parallel_size > 1:
             problems.append(f"--attention-dropout {m.attention_dropout} with --ignore-forward-tensor-parallel: the "
@@ -71,14 +88,16 @@ class FBDPlugin(Plugin):
     def enabled(self, args: argparse.Namespace) -> bool:
         # Enabled by any of its flags, so that a stray sub-flag is reported rather than ignored.
         return bool(args.forward_backward_disaggregating or args.ignore_forward_tensor_parallel
-                    or args.forward_device is not None)
+                    or args.forward_device is not None or args.fbd_loss_log is not None
+                    or args.forward_instances_per_process != 1)
 
     def configure_layout(self, cfg) -> None:
         p = cfg.parallel
         layout_error = None
         try:
             self.layout = build_layout(p.world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                       bool(cfg.args.ignore_forward_tensor_parallel))
+                                       bool(cfg.args.ignore_forward_tensor_parallel),
+                                       cfg.args.forward_instances_per_process)
         except ConfigError as exc:
             layout_error = str(exc)
         problems = layout_problems(cfg, layout_error)
@@ -111,3 +130,10 @@ class FBDPlugin(Plugin):
         ctx.role = me.role
         ctx.secondary = me.is_forward  # the backward instance prints the log and writes checkpoints
         return make_step(ctx, self.layout, me)
+
+    def shutdown(self, ctx) -> None:
+        # Threaded forward hosts: every process leaves the coordinator's rounds together.
+        runner = ctx.step_runner
+        coordinator = getattr(runner, "coordinator", None)
+        if coordinator is not None:
+            coordinator.close(timeout=60)

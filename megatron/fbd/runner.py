@@ -3,7 +3,10 @@ activations; its backward instance recomputes from the received stage input and 
 runs backward, syncs gradients, steps the optimizer and sends the new weights back."""
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import json
+import os
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -11,6 +14,10 @@ from megatron.app.model import unwrap_model
 from megatron.app.observer import span
 from megatron.app.transport import Message, TorchDistributedTransport
 from megatron.fbd.layout import FBDLayout, Instance
+
+if TYPE_CHECKING:
+    from megatron.fbd.coordinator import CommunicationCoordinator
+    from megatron.fbd.threads import ForwardHost
 
 # Message kinds; a tag is kind + _KINDS * microbatch, unique per (sender, receiver) per iteration.
 _ACTIVATION, _STAGE_INPUT, _RNG, _GRAD, _WEIGHTS = range(5)
@@ -100,9 +107,9 @@ def _flat_weights(chunk: torch.nn.Module) -> torch.Tensor:
 
 
 class _StepBase:
-    def __init__(self, ctx, layout: FBDLayout, me: Instance) -> None:
+    def __init__(self, ctx, layout: FBDLayout, me: Instance, chunk: torch.nn.Module | None = None) -> None:
         self.ctx, self.layout, self.me = ctx, layout, me
-        self.chunk = ctx.chunks[0]
+        self.chunk = ctx.chunks[0] if chunk is None else chunk
         self.transport = ctx.transport or TorchDistributedTransport()
         cfg = ctx.cfg
         self.num_microbatches = cfg.num_microbatches
@@ -137,6 +144,19 @@ class _StepBase:
         # [micro batch, seq] per-token loss -> mean over the real tokens of this microbatch
         return (output.float() * mask).sum() / tokens.clamp(min=1), int(tokens)
 
+    def _log_losses(self, iteration: int, losses: list[float]) -> None:
+        """With --fbd-loss-log DIR, the last stage of each role appends every microbatch's loss
+        (repr: exact) to DIR/{role}-replica{r}.jsonl, so the forward instance's loss can be compared
+        with the backward instance's recomputation."""
+        directory = getattr(self.ctx.cfg.args, "fbd_loss_log", None)
+        if not directory or not self.is_last or self.me.tp_rank != 0:
+            return
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"{self.me.role}-replica{self.me.replica}.jsonl")
+        with open(path, "a") as f:
+            for mb, loss in enumerate(losses):
+                f.write(json.dumps({"iteration": iteration, "microbatch": mb, "loss": repr(loss)}) + "\n")
+
     def _finish(self) -> None:
         for handle in self.pending:
             handle.wait()
@@ -144,42 +164,64 @@ class _StepBase:
 
 
 class ForwardStep(_StepBase):
-    """One iteration of a forward instance: fresh weights in, stage inputs and RNG states out."""
+    """One iteration of a forward instance: fresh weights in, stage inputs and RNG states out.
+    With a `host` (several forward instances as threads of one process), weights arrive through
+    its communication coordinator, the hand-off to the next stage stays in the process, and the
+    RNG snapshot, the forward and the data fetch hold the host's lock (one shared generator)."""
+
+    def __init__(self, ctx, layout: FBDLayout, me: Instance, chunk: torch.nn.Module | None = None,
+                 host: ForwardHost | None = None) -> None:
+        super().__init__(ctx, layout, me, chunk)
+        self.host = host
 
     def __call__(self, ctx, plugins) -> dict[str, Any]:
-        iteration = ctx.iteration
-        backward_ranks = self.layout.partners(self.me.rank)
-        self._receive_weights(backward_ranks)
+        iteration, me, host = ctx.iteration, self.me, self.host
+        backward_ranks = self.layout.partners(me)
+        if host is None:
+            self._receive_weights(backward_ranks)
+        else:
+            host.receive_weights(self)
         self.chunk.train()  # training-mode dropout, drawn from the RNG state sent along
-        previous = None if self.is_first else self.layout.forward_of(self.me.replica, self.me.stage - 1, self.me.tp_rank)
-        following = None if self.is_last else self.layout.forward_of(self.me.replica, self.me.stage + 1, self.me.tp_rank)
+        previous = None if self.is_first else self.layout.forward_of(me.replica, me.stage - 1, me.tp_rank)
+        following = None if self.is_last else self.layout.forward_of(me.replica, me.stage + 1, me.tp_rank)
+        compute = host.lock if host is not None else contextlib.nullcontext()
         losses, tokens = [], 0
         for mb in range(self.num_microbatches):
-            batch = ctx.data.train_microbatch(iteration, mb)
             stage_input = None
             if previous is not None:
-                stage_input = self._recv(previous, _tag(_ACTIVATION, mb), self._activation(), microbatch=mb,
-                                         direction="F")
-            rng = rng_snapshot()
-            with span("forward", chunk=0, microbatch=mb), torch.no_grad():
-                output = self._forward(batch, stage_input)
-                if self.is_last:
-                    loss, count = self._loss(output, batch)
-                    losses.append(float(loss))
-                    tokens += count
+                if host is not None:
+                    stage_input = host.take_activation(me, mb)
+                else:
+                    stage_input = self._recv(previous, _tag(_ACTIVATION, mb), self._activation(), microbatch=mb,
+                                             direction="F")
+            with compute:
+                batch = ctx.data.train_microbatch(iteration, mb)
+                rng = rng_snapshot()
+                with span("forward", chunk=0, microbatch=mb), torch.no_grad():
+                    output = self._forward(batch, stage_input)
+                    if self.is_last:
+                        loss, count = self._loss(output, batch)
+                        losses.append(float(loss))
+                        tokens += count
             if following is not None:
-                self._send(following, _tag(_ACTIVATION, mb), output, microbatch=mb, direction="F")
+                if host is not None:
+                    host.put_activation(me, mb, output)
+                else:
+                    self._send(following, _tag(_ACTIVATION, mb), output, microbatch=mb, direction="F")
             for rank in backward_ranks:
                 self._send(rank, _tag(_RNG, mb), rng, microbatch=mb)
                 if stage_input is not None:
                     self._send(rank, _tag(_STAGE_INPUT, mb), stage_input, microbatch=mb, direction="F")
         self._finish()
+        self._log_losses(iteration, losses)
         return {"lm loss": sum(losses) / len(losses) if losses else None, "grad norm": 0.0,
                 "learning rate": _learning_rate(ctx), "updated": True, "num_tokens": tokens}
 
+    def weight_numel(self, tp_size: int = 1) -> int:
+        return sum(s.numel() for s in shard_shapes(self.chunk, tp_size))
+
     def _receive_weights(self, backward_ranks: list[int]) -> None:
-        shapes = shard_shapes(self.chunk, len(backward_ranks))
-        numel = sum(s.numel() for s in shapes)
+        numel = self.weight_numel(len(backward_ranks))
         dtype = next(self.chunk.parameters()).dtype
         buffers = [torch.empty(numel, dtype=dtype, device=self.device) for _ in backward_ranks]
         handles = self.transport.post([], [Message(r, _tag(_WEIGHTS), b) for r, b in zip(backward_ranks, buffers)])
@@ -192,7 +234,13 @@ class ForwardStep(_StepBase):
 
 class BackwardStep(_StepBase):
     """One iteration of a backward instance: weights out, recompute + backward per microbatch,
-    gradient sync and optimizer step."""
+    gradient sync and optimizer step. With a `coordinator` (its forward instance is a thread of a
+    forward host), the weights go out as that coordinator's collective `weight_group`."""
+
+    def __init__(self, ctx, layout: FBDLayout, me: Instance, coordinator: CommunicationCoordinator | None = None,
+                 weight_group: int = -1) -> None:
+        super().__init__(ctx, layout, me)
+        self.coordinator, self.weight_group = coordinator, weight_group
 
     def __call__(self, ctx, plugins) -> dict[str, Any]:
         iteration, backend = ctx.iteration, ctx.backend
@@ -201,7 +249,11 @@ class BackwardStep(_StepBase):
             group["lr"] = lr
         (forward_rank,) = self.layout.partners(self.me.rank)
         # The forward instance runs this iteration with exactly the weights we hold now.
-        self._send(forward_rank, _tag(_WEIGHTS), _flat_weights(self.chunk))
+        if self.coordinator is None:
+            self._send(forward_rank, _tag(_WEIGHTS), _flat_weights(self.chunk))
+        else:
+            with span("send", peer=forward_rank, payload="weights"):  # forward side adds zeros: a copy
+                self.coordinator.all_reduce(self.weight_group, 0, _flat_weights(self.chunk))
         backend.zero_grad(ctx.chunks)
         self.chunk.train()
         previous = None if self.is_first else self.layout.backward_of(self.me.replica, self.me.stage - 1, self.me.tp_rank)
@@ -238,6 +290,7 @@ class BackwardStep(_StepBase):
             updated, grad_norm = ctx.optimizer.step()
         plugins.call("after_optimizer_step", ctx, iteration)
         self._finish()
+        self._log_losses(iteration, losses)
         return {"lm loss": sum(losses) / len(losses) if losses else None, "grad norm": grad_norm,
                 "learning rate": lr, "updated": updated, "num_tokens": tokens}
 
@@ -249,4 +302,11 @@ def _learning_rate(ctx) -> float:
 
 
 def make_step(ctx, layout: FBDLayout, me: Instance) -> Callable[[Any, Any], dict[str, Any]]:
+    if layout.threaded:
+        from megatron.fbd.threads import ForwardHost, make_coordinator, weight_group
+
+        coordinator = make_coordinator(layout)  # collective: every rank builds it, in the same order
+        if me.is_forward:
+            return ForwardHost(ctx, layout, coordinator)
+        return BackwardStep(ctx, layout, me, coordinator, weight_group(layout, me.replica, me.stage))
     return (ForwardStep if me.is_forward else BackwardStep)(ctx, layout, me)

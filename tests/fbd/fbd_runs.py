@@ -24,15 +24,16 @@ atexit.register(shutil.rmtree, _ROOT, True)
 
 
 @functools.lru_cache(maxsize=None)
-def launch(name: str, nproc: int, args: tuple[str, ...]) -> dict:
+def launch(name: str, nproc: int, args: tuple[str, ...], iters: int = 20) -> dict:
     """Run pretrain_gpt.py with --save; return its loss curve, output and checkpoint directory."""
     out = _ROOT / name
     out.mkdir(parents=True, exist_ok=True)
-    proc = torchrun("pretrain_gpt.py", [*MODEL, *args, "--save", str(out / "ckpt")], nproc=nproc, timeout=240)
+    model = [*MODEL[:-1], str(iters)]  # MODEL ends with --train-iters 20
+    proc = torchrun("pretrain_gpt.py", [*model, *args, "--save", str(out / "ckpt")], nproc=nproc, timeout=240)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
     curve = {int(m.group(1)): float(m.group(2)) for m in LOSS.finditer(proc.stdout)}
-    return {"losses": curve, "stdout": proc.stdout, "ckpt": out / "ckpt" / "iter_0000020", "dir": out}
+    return {"losses": curve, "stdout": proc.stdout, "ckpt": out / "ckpt" / f"iter_{iters:07d}", "dir": out}
 
 
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:

@@ -22,6 +22,17 @@ FBD = ["--forward-backward-disaggregating"]
      ["--load with --ignore-forward-tensor-parallel"]),
     (2, [*FBD, "--forward-device", "cuda"], ["--forward-device cuda needs CUDA backward instances"]),
     (2, ["--ignore-forward-tensor-parallel"], ["only apply with --forward-backward-disaggregating"]),
+    (3, [*FBD, "--forward-instances-per-process", "3", "--pipeline-model-parallel-size", "2"],
+     ["--forward-instances-per-process 3 must equal pp(2)"]),
+    (4, [*FBD, "--forward-instances-per-process", "2", "--pipeline-model-parallel-size", "2"],
+     ["multiple of pp(2) + 1 = 3"]),
+    (6, [*FBD, "--forward-instances-per-process", "2", "--tensor-model-parallel-size", "2",
+         "--pipeline-model-parallel-size", "2"], ["needs tp(1)", "got tp(2)"]),
+    (3, [*FBD, "--forward-instances-per-process", "2", "--pipeline-model-parallel-size", "2", "--eval-interval", "5",
+         "--eval-iters", "1"], ["--eval-interval with --forward-instances-per-process 2"]),
+    (3, [*FBD, "--forward-instances-per-process", "2", "--pipeline-model-parallel-size", "2", "--trace"],
+     ["--trace with --forward-instances-per-process 2"]),
+    (2, ["--forward-instances-per-process", "2"], ["only apply with --forward-backward-disaggregating"]),
     # The training mesh has dp/2 replicas: 6 samples cannot be split over 2 replicas of 2-sample microbatches.
     (4, [*FBD, "--global-batch-size", "6"], ["global_batch_size(6) is not divisible by micro_batch_size(2) x dp(2) = 4"]),
 ])

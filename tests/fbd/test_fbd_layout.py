@@ -40,6 +40,21 @@ def test_maps_name_every_rank():
     assert "dp 0 pp 1 tp 0: fwd rank 3, bwd rank 1" in virtual
 
 
+def test_threaded_forward_host_runs_every_stage_of_its_replica():
+    from megatron.fbd.threads import coordinator_groups
+
+    layout = build_layout(6, tp=1, pp=2, ignore_forward_tp=False, forward_per_process=2)
+    assert (layout.replicas, layout.mesh_size) == (2, 4)
+    assert [(i.stage, i.slot) for i in layout.hosted(5)] == [(0, 0), (1, 1)]
+    assert [layout.forward_of(1, s, 0) for s in range(2)] == [5, 5]
+    assert layout.partners(layout.hosted(5)[1]) == [layout.backward_of(1, 1, 0)] == [3]
+    groups = layout.groups()
+    assert [4, 5] in groups["dp"] and [5] in groups["pp"]  # no group holds a rank twice
+    assert all(len(set(g)) == len(g) for kind in groups.values() for g in kind)
+    # Coordinator groups: (backward rank, slot 0) with (forward host, thread slot = stage).
+    assert coordinator_groups(layout) == [[(0, 0), (4, 0)], [(2, 0), (4, 1)], [(1, 0), (5, 0)], [(3, 0), (5, 1)]]
+
+
 @pytest.mark.parametrize("world,tp,pp,ignore,fragment", [
     (6, 1, 2, False, "data-parallel size must be even: world_size(6) / (tp(1) x pp(2)) = dp(3) is odd"),
     (5, 2, 1, False, "tp(2) x pp(1) x dp(2) = 4 != world_size(5)"),

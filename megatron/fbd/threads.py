@@ -1,0 +1,153 @@
+"""Several forward instances in one process, one thread each (`--forward-instances-per-process`).
+
+A forward host is one process per replica running the forward instances of all pipeline stages as
+threads. Collectives a thread takes part in (each iteration's weight hand-off from its backward
+instance) go through the `CommunicationCoordinator`: the thread sets its bit in the group's
+bit-vector, the coordinators of all processes OR-all-reduce the table on their own process group,
+and a complete group's collective runs, ready groups in ascending order, so threads never take a
+communicator another thread is waiting in. Stage-to-stage activations stay in the process.
+The CPU generator and the RNG tracker are process-wide, so a thread holds the host's lock from its
+RNG snapshot to the end of its forward; the backward instance restores exactly that snapshot.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.app.model import transformer_config, unwrap_model
+from megatron.fbd.coordinator import CommunicationCoordinator
+from megatron.fbd.layout import FBDLayout, Instance
+from megatron.fbd.runner import ForwardStep, load_weights
+
+# The host waits at most this long for one iteration of its threads (a peer failing is reported
+# by the coordinator or the transport well before).
+_THREAD_TIMEOUT_S = 600.0
+
+
+class _StageView:
+    """What megatron-core asks of a pipeline group while building and running a chunk (its rank
+    and size), for a stage hosted as a thread: every stage of the pipeline lives in this process."""
+
+    def __init__(self, stage: int, size: int) -> None:
+        self._stage, self._size = stage, size
+
+    def rank(self) -> int:
+        return self._stage
+
+    def size(self) -> int:
+        return self._size
+
+
+def weight_group(layout: FBDLayout, replica: int, stage: int) -> int:
+    """Coordinator group id of the weight hand-off of (replica, stage)."""
+    return replica * layout.pp + stage
+
+
+def coordinator_groups(layout: FBDLayout) -> list[list[tuple[int, int]]]:
+    """Group g = weight_group(r, s): the backward instance (its only thread, slot 0) and the
+    forward thread (slot s) of the forward host of replica r."""
+    groups = []
+    for replica in range(layout.replicas):
+        for stage in range(layout.pp):
+            groups.append([(layout.backward_of(replica, stage, 0), 0),
+                           (layout.forward_of(replica, stage, 0), layout.forward_slot(replica, stage))])
+    return groups
+
+
+def make_coordinator(layout: FBDLayout) -> CommunicationCoordinator:
+    """Collective over the world: the coordinator's rounds get their own process group, so they
+    never interleave with the trainer's collectives on the default group."""
+    rounds = dist.new_group(list(range(layout.world_size)))
+    return CommunicationCoordinator(coordinator_groups(layout), process_group=rounds, idle_sleep_s=2e-3)
+
+
+class ForwardHost:
+    """Step runner of a forward host: one ForwardStep per stage, each iteration run as threads."""
+
+    def __init__(self, ctx, layout: FBDLayout, coordinator: CommunicationCoordinator) -> None:
+        self.ctx, self.layout, self.coordinator = ctx, layout, coordinator
+        self.lock = threading.Lock()
+        instances = layout.hosted(ctx.rank)
+        chunks = [ctx.chunks[0]] + [self._build_chunk(i.stage) for i in instances[1:]]
+        self.steps = [ForwardStep(ctx, layout, i, chunk, host=self) for i, chunk in zip(instances, chunks)]
+        # activations[stage][microbatch]: stage -> stage + 1 hand-off within the process.
+        self.activations: list[queue.Queue] = [queue.Queue() for _ in instances]
+
+    def _build_chunk(self, stage: int) -> torch.nn.Module:
+        """The model chunk of another stage. megatron-core reads the stage from the pipeline group
+        it is given (`group.rank()`: layer offset, first/last stage), so the chunk gets a
+        `_StageView` of this host's pipeline, and no embedding group: its tied output weight is
+        overwritten by the backward instance's weights before the first forward anyway."""
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        cfg, saved = self.ctx.cfg, parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK
+        m = cfg.model
+        groups = ProcessGroupCollection.use_mpu_process_groups()
+        groups.pp, groups.embd = _StageView(stage, self.layout.pp), None
+        parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK = stage
+        try:
+            with self.ctx.backend.model_construction():
+                chunk = GPTModel(
+                    config=transformer_config(m, cfg.parallel, 1), transformer_layer_spec=get_gpt_layer_local_spec(),
+                    vocab_size=m.padded_vocab_size, max_sequence_length=m.max_position_embeddings,
+                    pre_process=stage == 0, post_process=stage == self.layout.pp - 1,
+                    share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+                    position_embedding_type=m.position_embedding_type, pg_collection=groups,
+                )
+        finally:
+            parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK = saved
+        if m.bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            chunk = Float16Module(chunk.config, chunk)
+        return chunk.to(self.ctx.backend.device)
+
+    # --- called by the ForwardStep threads ---------------------------------------------------
+    def receive_weights(self, step: ForwardStep) -> None:
+        me = step.me
+        zeros = torch.zeros(step.weight_numel(), dtype=next(step.chunk.parameters()).dtype)
+        flat = self.coordinator.all_reduce(weight_group(self.layout, me.replica, me.stage), me.slot, zeros)
+        load_weights(unwrap_model(step.chunk), [flat.to(step.device)], 1)
+
+    def put_activation(self, me: Instance, microbatch: int, output: torch.Tensor) -> None:
+        self.activations[me.stage].put((microbatch, output))
+
+    def take_activation(self, me: Instance, microbatch: int) -> torch.Tensor:
+        got, tensor = self.activations[me.stage - 1].get(timeout=_THREAD_TIMEOUT_S)
+        if got != microbatch:
+            raise RuntimeError(f"stage {me.stage} expected microbatch {microbatch}, got {got}")
+        return tensor
+
+    # --- one iteration ------------------------------------------------------------------------
+    def __call__(self, ctx, plugins) -> dict[str, Any]:
+        results: list[dict[str, Any] | None] = [None] * len(self.steps)
+        errors: list[BaseException] = []
+
+        def run(index: int) -> None:
+            try:
+                results[index] = self.steps[index](ctx, plugins)
+            except BaseException as exc:  # reported by the host thread below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,), name=f"fbd-forward-{s.me.stage}")
+                   for i, s in enumerate(self.steps)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(_THREAD_TIMEOUT_S)
+        if errors:
+            raise errors[0]
+        if any(t.is_alive() for t in threads):
+            raise RuntimeError(f"a forward thread did not finish iteration {ctx.iteration}")
+        last = results[-1]
+        return {**last, "num_tokens": sum(r["num_tokens"] for r in results)}
+
+    def close(self) -> None:
+        self.coordinator.close(timeout=60)
