@@ -148,14 +148,21 @@ def train_step(ctx: TrainContext, plugins: PluginSet) -> dict[str, Any]:
     for chunk in ctx.chunks:
         chunk.train()
     result = ctx.executor.run(ctx.schedule, lambda mb: ctx.data.train_microbatch(iteration, mb))
+    updated, grad_norm = sync_grads_and_step(ctx, plugins, iteration)
+    return {"lm loss": result.mean_loss, "grad norm": grad_norm, "learning rate": lr,
+            "updated": updated, "num_tokens": result.num_tokens}
+
+
+def sync_grads_and_step(ctx: TrainContext, plugins: PluginSet, iteration: int) -> tuple[bool, float]:
+    """Gradient sync over the data-parallel group, then the optimizer step, with the plugin hooks
+    around it; every step runner ends its iteration with this. Returns (updated, grad norm)."""
     with span("grad_sync", iteration=iteration):
-        backend.finalize_grads(ctx.chunks)
+        ctx.backend.finalize_grads(ctx.chunks)
     plugins.call("before_optimizer_step", ctx, iteration)
     with span("optimizer", iteration=iteration):
         updated, grad_norm = ctx.optimizer.step()
     plugins.call("after_optimizer_step", ctx, iteration)
-    return {"lm loss": result.mean_loss, "grad norm": grad_norm, "learning rate": lr,
-            "updated": updated, "num_tokens": result.num_tokens}
+    return updated, grad_norm
 
 
 def evaluate(ctx: TrainContext, iteration: int) -> float | None:

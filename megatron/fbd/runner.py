@@ -283,12 +283,9 @@ class BackwardStep(_StepBase):
                 torch.autograd.backward(output, grad_tensors=grad_output)
             if previous is not None:
                 self._send(previous, _tag(_GRAD, mb), stage_input.grad, microbatch=mb, direction="B")
-        with span("grad_sync", iteration=iteration):
-            backend.finalize_grads(ctx.chunks)
-        plugins.call("before_optimizer_step", ctx, iteration)
-        with span("optimizer", iteration=iteration):
-            updated, grad_norm = ctx.optimizer.step()
-        plugins.call("after_optimizer_step", ctx, iteration)
+        from megatron.app.train import sync_grads_and_step
+
+        updated, grad_norm = sync_grads_and_step(ctx, plugins, iteration)
         self._finish()
         self._log_losses(iteration, losses)
         return {"lm loss": sum(losses) / len(losses) if losses else None, "grad norm": grad_norm,
