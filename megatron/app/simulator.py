@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
-import os
 import random
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
+from megatron.app.simulator_trace import to_chrome_trace, write_chrome_trace
 from megatron.app.schedule import (
     SCHEDULES,
     PipelineLayout,
@@ -419,85 +417,10 @@ def _deadlock(
 # ----------------------------------------------------------------------------------- chrome trace
 
 
-def to_chrome_trace(result: SimulationResult, *, flows: bool = True) -> dict[str, Any]:
-    """Chrome trace (chrome://tracing, Perfetto): one process per rank, one "X" slice per task, a
-    stored-activation counter per rank and, with `flows`, an arrow per P2P message."""
-    layout = result.layout
-    to_us = 1000.0  # simulator times are ms; Chrome trace timestamps are microseconds
-    events: list[dict[str, Any]] = []
-    for rank in range(layout.pp_size):
-        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"pp rank {rank}"}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
-    memory_changes: list[tuple[float, int, int]] = []
-    for record in result.records:
-        task = record.task
-        events.append({
-            "name": str(task),
-            "cat": "forward" if task.is_forward else "backward",
-            "ph": "X",
-            "pid": record.rank,
-            "tid": 0,
-            "ts": record.start * to_us,
-            "dur": (record.end - record.start) * to_us,
-            "args": {
-                "chunk": task.chunk,
-                "microbatch": task.microbatch,
-                "virtual_stage": layout.virtual_stage(record.rank, task.chunk),
-            },
-        })
-        if task.is_forward:
-            memory_changes.append((record.start, record.rank, +1))
-        else:
-            memory_changes.append((record.end, record.rank, -1))
-    stored = [0] * layout.pp_size
-    for time, rank, change in sorted(memory_changes):
-        stored[rank] += change
-        events.append({"ph": "C", "name": "stored activations", "pid": rank, "tid": 0, "ts": time * to_us,
-                       "args": {"count": stored[rank]}})
-    if flows:
-        starts = {(record.rank, record.task): record for record in result.records}
-        for flow_id, transfer in enumerate(result.transfers):
-            producer = starts[(transfer.src_rank, transfer.src_task)]
-            consumer = starts[(transfer.dst_rank, transfer.dst_task)]
-            name = "activation" if transfer.src_task.is_forward else "gradient"
-            # The start point sits inside the producer slice so the viewer binds the arrow to it.
-            events.append({"ph": "s", "id": flow_id, "name": name, "cat": "p2p", "pid": transfer.src_rank, "tid": 0,
-                           "ts": (producer.start + producer.end) / 2 * to_us})
-            events.append({"ph": "f", "bp": "e", "id": flow_id, "name": name, "cat": "p2p", "pid": transfer.dst_rank,
-                           "tid": 0, "ts": consumer.start * to_us})
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {
-            "pp_size": layout.pp_size,
-            "num_chunks": layout.num_chunks,
-            "num_microbatches": layout.num_microbatches,
-            "makespan_ms": result.makespan,
-        },
-    }
-
-
-def write_chrome_trace(result: SimulationResult, path: str | os.PathLike[str], *, flows: bool = True) -> None:
-    """Write the Chrome trace atomically: a reader never sees a half-written file."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as stream:
-            json.dump(to_chrome_trace(result, flows=flows), stream)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
-
-
 # ---------------------------------------------------------------------------------------------- cli
 
 
-def _slow_rank(text: str) -> tuple[int, float]:
+def parse_slow_rank(text: str) -> tuple[int, float]:
     try:
         rank, factor = text.split(":")
         return int(rank), float(factor)
@@ -505,7 +428,7 @@ def _slow_rank(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected RANK:FACTOR such as 2:1.5, got {text!r}") from None
 
 
-def _link_latency(text: str) -> tuple[tuple[int, int], float]:
+def parse_link_latency(text: str) -> tuple[tuple[int, int], float]:
     try:
         src, dst, milliseconds = text.split(":")
         return (int(src), int(dst)), float(milliseconds)
@@ -526,11 +449,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--forward-ms", type=float, default=1.0, help="forward of one chunk on one microbatch")
     parser.add_argument("--backward-ms", type=float, default=2.0, help="backward of one chunk on one microbatch")
     parser.add_argument("--p2p-ms", type=float, default=0.0, help="latency of every link between ranks")
-    parser.add_argument("--link-ms", type=_link_latency, action="append", default=[], metavar="SRC:DST:MS",
+    parser.add_argument("--link-ms", type=parse_link_latency, action="append", default=[], metavar="SRC:DST:MS",
                         help="latency of one link, overriding --p2p-ms (repeatable)")
     parser.add_argument("--message-bytes", type=float, default=0.0, help="bytes per activation/gradient message")
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="link bandwidth in GB/s")
-    parser.add_argument("--slow-rank", type=_slow_rank, action="append", default=[], metavar="RANK:FACTOR",
+    parser.add_argument("--slow-rank", type=parse_slow_rank, action="append", default=[], metavar="RANK:FACTOR",
                         help="multiply a rank's compute time, e.g. 2:1.5 (repeatable)")
     parser.add_argument("--jitter", type=float, default=0.0, help="relative compute jitter in [0, 1]")
     parser.add_argument("--link-jitter", type=float, default=0.0, help="relative transfer jitter in [0, 1]")

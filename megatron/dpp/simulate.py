@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron.app.schedule import PipelineLayout, ScheduleError
-from megatron.app.simulator import CostModel, SimulationDeadlock, simulate, static_policies, write_chrome_trace
+from megatron.app.simulator import (CostModel, SimulationDeadlock, parse_link_latency, parse_slow_rank, simulate,
+                                    static_policies, write_chrome_trace)
 
 from .policy import POLICY_NAMES, default_budget, dpp_policies
 
@@ -64,22 +65,6 @@ def format_table(rows: Sequence[Comparison]) -> str:
     return "\n".join(lines)
 
 
-def _link(text: str) -> tuple[tuple[int, int], float]:
-    try:
-        src, dst, ms = text.split(":")
-        return (int(src), int(dst)), float(ms)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected SRC:DST:MS such as 1:2:3, got {text!r}") from None
-
-
-def _slow(text: str) -> tuple[int, float]:
-    try:
-        rank, factor = text.split(":")
-        return int(rank), float(factor)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected RANK:FACTOR such as 2:1.5, got {text!r}") from None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron.dpp.simulate",
                                      description="Static schedule vs DPP policies on a simulated pipeline.")
@@ -89,8 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--forward-ms", type=float, default=1.0)
     parser.add_argument("--backward-ms", type=float, default=2.0)
     parser.add_argument("--p2p-ms", type=float, default=0.0)
-    parser.add_argument("--link-ms", type=_link, action="append", default=[], metavar="SRC:DST:MS")
-    parser.add_argument("--slow-rank", type=_slow, action="append", default=[], metavar="RANK:FACTOR")
+    parser.add_argument("--link-ms", type=parse_link_latency, action="append", default=[], metavar="SRC:DST:MS")
+    parser.add_argument("--slow-rank", type=parse_slow_rank, action="append", default=[], metavar="RANK:FACTOR")
     parser.add_argument("--jitter", type=float, default=0.0, help="relative compute jitter in [0, 1]")
     parser.add_argument("--link-jitter", type=float, default=0.0, help="relative transfer jitter in [0, 1]")
     parser.add_argument("--seeds", type=int, default=20, help="jitter seeds to average over")
