@@ -47,6 +47,7 @@ class TrainContext:
     data: TrainingData | None = None
     schedule: list = field(default_factory=list)
     layout: PipelineLayout | None = None
+    stage: StageContext | None = None  # this rank's place in the pipeline, for any executor
     iteration: int = 0
     consumed_samples: int = 0
     extras: dict = field(default_factory=dict)
@@ -124,7 +125,7 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
                                 num_microbatches=cfg.num_microbatches)
     ctx.schedule = build_schedule(pick_schedule_name(cfg), ctx.layout, ctx.pp_rank)
     ctx.transport = plugins.first("make_transport", ctx)
-    stage = StageContext(
+    ctx.stage = StageContext(
         layout=ctx.layout,
         pp_rank=ctx.pp_rank,
         pp_global_ranks=dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()),
@@ -132,7 +133,7 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
         dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
         device=backend.device,
     )
-    ctx.executor = plugins.first("make_executor", ctx) or PipelineExecutor(ctx.chunks, stage, ctx.transport)
+    ctx.executor = plugins.first("make_executor", ctx) or PipelineExecutor(ctx.chunks, ctx.stage, ctx.transport)
     ctx.step_runner = plugins.first("make_step_runner", ctx) or train_step
     plugins.call("setup", ctx)
     return ctx

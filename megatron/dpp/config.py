@@ -11,8 +11,18 @@ from megatron.app.schedule import PipelineLayout
 from .policy import POLICY_NAMES, default_budget, minimum_budget, static_peak_activations
 
 TRANSPORTS = ("shm", "torch")
-_UNITS = {"": None, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
-_BUDGET = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+_UNITS = {"": None, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+_QUANTITY = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_quantity(text: str) -> tuple[float, int | None]:
+    """'4' -> (4, None); '64MB', '256K', '1.5GiB' -> (value, bytes per unit). ValueError otherwise."""
+    match = _QUANTITY.fullmatch(text)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(text)
+    return float(match.group(1)), _UNITS[unit]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,18 +53,17 @@ def parse_budget(text: str | None, *, policy: str, layout: PipelineLayout, bytes
     64MB is divided by `bytes_per_activation`. None picks the policy's default."""
     if text is None or text.strip() == "":
         return default_budget(policy, layout)
-    match = _BUDGET.fullmatch(text)
-    unit = match.group(2).upper() if match else None
-    if match is None or unit not in _UNITS:
+    try:
+        value, unit_bytes = parse_quantity(text)
+    except ValueError:
         raise ConfigError(f"--dpp-memory-budget {text!r}: expected a count of stored activations (e.g. 4) "
-                          f"or a size with a unit KB, MB or GB (e.g. 64MB)")
-    value = float(match.group(1))
-    if unit == "":
+                          f"or a size with a unit KB, MB or GB (e.g. 64MB)") from None
+    if unit_bytes is None:
         if value != int(value):
             raise ConfigError(f"--dpp-memory-budget {text!r}: a count of activations must be a whole number")
         count, described = int(value), f"{int(value)} activations"
     else:
-        count = int(value * _UNITS[unit] // bytes_per_activation)
+        count = int(value * unit_bytes // bytes_per_activation)
         described = (f"{text.strip()} = {count} activations of ~{bytes_per_activation / (1 << 20):.2f} MiB "
                      f"(estimated per chunk and microbatch)")
     need = minimum_budget(layout)

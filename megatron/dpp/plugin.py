@@ -10,20 +10,18 @@ from megatron.app.config import ConfigError
 from megatron.app.plugins import Plugin, register_plugin
 from megatron.app.schedule import PipelineLayout
 
-from .config import DppConfig, activation_bytes, check_policy, check_transport, parse_budget
+from .config import DppConfig, activation_bytes, check_policy, check_transport, parse_budget, parse_quantity
 from .executor import DynamicPipelineExecutor
 from .transport import TorchP2PTransport, make_shm_transport
 
 
 def _size(text: str) -> int:
-    """--workload: bytes, or a count with K/M suffix (KiB/MiB)."""
-    units = {"k": 1 << 10, "m": 1 << 20}
+    """--workload: bytes, or a size with a K/M/G (KiB/MiB/GiB) suffix."""
     try:
-        if text and text[-1].lower() in units:
-            return int(float(text[:-1]) * units[text[-1].lower()])
-        return int(text)
+        value, unit_bytes = parse_quantity(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected bytes such as 262144 or 256K, got {text!r}") from None
+    return int(value * (unit_bytes or 1))
 
 
 @register_plugin
@@ -93,17 +91,10 @@ class DppPlugin(Plugin):
         return self.transport
 
     def make_executor(self, ctx):
-        from megatron.app.executor import StageContext
         from megatron.core import parallel_state
 
-        cfg = ctx.cfg
-        stage = StageContext(
-            layout=ctx.layout, pp_rank=ctx.pp_rank,
-            pp_global_ranks=dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()),
-            activation_shape=(cfg.model.seq_length, cfg.training.micro_batch_size, cfg.model.hidden_size),
-            dtype=_dtype(cfg), device=ctx.backend.device)
         tp_ranks = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
-        return DynamicPipelineExecutor(ctx.chunks, stage, ctx.transport or self.make_transport(ctx),
+        return DynamicPipelineExecutor(ctx.chunks, ctx.stage, ctx.transport or self.make_transport(ctx),
                                        policy=self.config.policy, budget=self.config.budget, tp_ranks=tp_ranks)
 
     def setup(self, ctx) -> None:
@@ -121,8 +112,3 @@ class DppPlugin(Plugin):
         if transport is not None:
             transport.close()
 
-
-def _dtype(cfg):
-    import torch
-
-    return torch.bfloat16 if cfg.model.bf16 else torch.float32
