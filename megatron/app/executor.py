@@ -44,6 +44,14 @@ class IterationResult:
         return sum(self.losses) / len(self.losses) if self.losses else None
 
 
+def microbatch_loss(output: torch.Tensor, batch: Microbatch) -> tuple[torch.Tensor, int]:
+    """The last stage's per-token losses [micro batch, seq] -> their mean over the microbatch's
+    real tokens (loss_mask), and that token count."""
+    mask = batch["loss_mask"]
+    tokens = mask.sum()
+    return (output.float() * mask).sum() / tokens.clamp(min=1), int(tokens)
+
+
 class ScheduleExecutionError(RuntimeError):
     pass
 
@@ -164,12 +172,9 @@ class PipelineExecutor:
                     labels=batch["labels"] if is_last else None,
                 )
             if is_last:
-                mask = batch["loss_mask"]
-                tokens = mask.sum()
-                # [micro batch, seq] per-token loss -> mean over real tokens of this microbatch
-                loss = (output.float() * mask).sum() / tokens.clamp(min=1)
+                loss, tokens = microbatch_loss(output, batch)
                 self._result.losses.append(float(loss.detach()))
-                self._result.num_tokens += int(tokens)
+                self._result.num_tokens += tokens
                 output = loss / self.stage.layout.num_microbatches
             else:
                 self._outbox[task] = output.detach()

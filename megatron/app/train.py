@@ -140,11 +140,9 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
 
 
 def train_step(ctx: TrainContext, plugins: PluginSet) -> dict[str, Any]:
-    cfg, backend = ctx.cfg, ctx.backend
+    backend = ctx.backend
     iteration = ctx.iteration
-    lr = learning_rate(cfg, iteration)
-    for group in ctx.optimizer.param_groups:
-        group["lr"] = lr
+    lr = set_learning_rate(ctx)
     backend.zero_grad(ctx.chunks)
     for chunk in ctx.chunks:
         chunk.train()
@@ -152,6 +150,14 @@ def train_step(ctx: TrainContext, plugins: PluginSet) -> dict[str, Any]:
     updated, grad_norm = sync_grads_and_step(ctx, plugins, iteration)
     return {"lm loss": result.mean_loss, "grad norm": grad_norm, "learning rate": lr,
             "updated": updated, "num_tokens": result.num_tokens}
+
+
+def set_learning_rate(ctx: TrainContext) -> float:
+    """This iteration's learning rate, set on every optimizer parameter group."""
+    lr = learning_rate(ctx.cfg, ctx.iteration)
+    for group in ctx.optimizer.param_groups:
+        group["lr"] = lr
+    return lr
 
 
 def sync_grads_and_step(ctx: TrainContext, plugins: PluginSet, iteration: int) -> tuple[bool, float]:

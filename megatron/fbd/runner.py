@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from megatron.app.executor import microbatch_loss
 from megatron.app.model import unwrap_model
 from megatron.app.observer import span
 from megatron.app.transport import Message, TorchDistributedTransport
@@ -138,12 +139,6 @@ class _StepBase:
         return self.chunk(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                           labels=batch["labels"] if self.is_last else None)
 
-    def _loss(self, output: torch.Tensor, batch: dict) -> tuple[torch.Tensor, int]:
-        mask = batch["loss_mask"]
-        tokens = mask.sum()
-        # [micro batch, seq] per-token loss -> mean over the real tokens of this microbatch
-        return (output.float() * mask).sum() / tokens.clamp(min=1), int(tokens)
-
     def _log_losses(self, iteration: int, losses: list[float]) -> None:
         """With --fbd-loss-log DIR, the last stage of each role appends every microbatch's loss
         (repr: exact) to DIR/{role}-replica{r}.jsonl, so the forward instance's loss can be compared
@@ -200,7 +195,7 @@ class ForwardStep(_StepBase):
                 with span("forward", chunk=0, microbatch=mb), torch.no_grad():
                     output = self._forward(batch, stage_input)
                     if self.is_last:
-                        loss, count = self._loss(output, batch)
+                        loss, count = microbatch_loss(output, batch)
                         losses.append(float(loss))
                         tokens += count
             if following is not None:
@@ -244,9 +239,9 @@ class BackwardStep(_StepBase):
 
     def __call__(self, ctx, plugins) -> dict[str, Any]:
         iteration, backend = ctx.iteration, ctx.backend
-        lr = _learning_rate(ctx)
-        for group in ctx.optimizer.param_groups:
-            group["lr"] = lr
+        from megatron.app.train import set_learning_rate
+
+        lr = set_learning_rate(ctx)
         (forward_rank,) = self.layout.partners(self.me.rank)
         # The forward instance runs this iteration with exactly the weights we hold now.
         if self.coordinator is None:
@@ -271,7 +266,7 @@ class BackwardStep(_StepBase):
             with span("forward", chunk=0, microbatch=mb):  # recomputation
                 output = self._forward(batch, stage_input)
                 if self.is_last:
-                    loss, count = self._loss(output, batch)
+                    loss, count = microbatch_loss(output, batch)
                     losses.append(float(loss.detach()))
                     tokens += count
                     output = loss / self.num_microbatches
