@@ -290,7 +290,16 @@ class CUDABackend(DeviceBackend):
     def __init__(self) -> None:
         super().__init__()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        gpus = torch.cuda.device_count()
+        if local_ranks > gpus:
+            # NCCL refuses two ranks of one communicator on the same GPU, and fails late at that.
+            raise DeviceError(
+                f"--device cuda: {local_ranks} ranks on this node but {gpus} GPU{'s' if gpus != 1 else ''}; "
+                f"NCCL needs one GPU per rank. Launch at most {gpus} processes per node "
+                "(torchrun --nproc-per-node), or pass --device cpu to run every rank on gloo"
+            )
+        torch.cuda.set_device(local_rank)
         self.device = torch.device("cuda", torch.cuda.current_device())
 
     def _init_kwargs(self) -> dict:

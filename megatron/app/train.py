@@ -19,7 +19,7 @@ from megatron.app import checkpoint as ckpt
 from megatron.app.arguments import build_parser, config_from_args
 from megatron.app.config import ConfigError, RunConfig, validate
 from megatron.app.data import DataError
-from megatron.app.device import DeviceBackend, build_backend
+from megatron.app.device import DeviceBackend, DeviceError, build_backend
 from megatron.app.executor import PipelineExecutor, StageContext
 from megatron.app.logs import MetricsLogger, print_rank_0
 from megatron.app.model import build_model_chunks, count_parameters
@@ -260,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ctx = train(cfg, plugins)
         plugins.call("shutdown", ctx)
         return 0
-    except (ConfigError, ckpt.CheckpointError, DataError, TokenizerError) as exc:
+    except (ConfigError, DeviceError, ckpt.CheckpointError, DataError, TokenizerError) as exc:
         print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
