@@ -141,8 +141,9 @@ def find_latest(root: str) -> int:
     return int(text)
 
 
-def load_checkpoint(root: str, chunks, optimizer, cfg, tp_rank: int, pp_rank: int) -> tuple[int, int]:
-    """Returns (iteration, consumed_samples). Raises CheckpointError with what to change."""
+def _read_rank_file(root: str, cfg, tp_rank: int, pp_rank: int, ignore: tuple[str, ...] = ()) -> dict:
+    """The latest checkpoint's file of (tp_rank, pp_rank), checked against the run's layout
+    (except the `ignore`d entries)."""
     iteration = find_latest(root)
     path = rank_file(iteration_dir(root, iteration), tp_rank, pp_rank)
     if not path.is_file():
@@ -156,14 +157,31 @@ def load_checkpoint(root: str, chunks, optimizer, cfg, tp_rank: int, pp_rank: in
         raise CheckpointError(f"{path} cannot be read ({exc}); the file is damaged") from exc
     expected = layout_signature(cfg)
     saved = payload.get("layout", {})
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs run {v!r}" for k, v in expected.items() if saved.get(k) != v]
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs run {v!r}" for k, v in expected.items()
+             if k not in ignore and saved.get(k) != v]
     if diffs:
         raise CheckpointError(
             f"checkpoint {path} does not match this run:\n  " + "\n  ".join(diffs)
             + "\nlaunch with the checkpoint's model and parallel sizes"
         )
+    return payload
+
+
+def load_checkpoint(root: str, chunks, optimizer, cfg, tp_rank: int, pp_rank: int) -> tuple[int, int]:
+    """Returns (iteration, consumed_samples). Raises CheckpointError with what to change."""
+    payload = _read_rank_file(root, cfg, tp_rank, pp_rank)
     for chunk, state in zip(chunks, payload["model"]):
         unwrap_model(chunk).load_state_dict(state)
     optimizer.load_state_dict(payload["optimizer"])
+    set_rng_state(payload["rng"])
+    return payload["iteration"], payload["consumed_samples"]
+
+
+def load_progress(root: str, cfg, tp_rank: int, pp_rank: int, any_tensor_parallel_size: bool = False) -> tuple[int, int]:
+    """Resume a rank that gets its weights from elsewhere: only the iteration, the consumed samples
+    and the RNG state of file (tp_rank, pp_rank) are restored. With `any_tensor_parallel_size`, the
+    file may come from a run of another TP size (a merged rank reads TP rank 0's file)."""
+    ignore = ("tensor_model_parallel_size",) if any_tensor_parallel_size else ()
+    payload = _read_rank_file(root, cfg, tp_rank, pp_rank, ignore)
     set_rng_state(payload["rng"])
     return payload["iteration"], payload["consumed_samples"]

@@ -49,6 +49,16 @@ class Plugin:
         (schedule, grad sync, optimizer step) on this rank instead of the trainer's, or None."""
         return None
 
+    def make_evaluator(self, ctx):
+        """Return a callable `(ctx, iteration) -> validation loss or None` that replaces the
+        trainer's forward-only evaluation on this rank (None: this rank does not evaluate), or None."""
+        return None
+
+    def load_checkpoint(self, ctx):
+        """Resume this rank from `--load` instead of the trainer's full load (model, optimizer, RNG):
+        return (iteration, consumed_samples), or None to leave it to the trainer."""
+        return None
+
     def before_iteration(self, ctx, iteration: int) -> None: ...
 
     def after_iteration(self, ctx, iteration: int, metrics: dict[str, Any]) -> None: ...

@@ -57,6 +57,7 @@ class TrainContext:
     # no training log and writes no checkpoint files.
     secondary: bool = False
     step_runner: Any = None
+    evaluator: Any = None  # (ctx, iteration) -> validation loss, or None where this rank has none
 
     @property
     def is_logging_rank(self) -> bool:
@@ -88,6 +89,15 @@ def pick_schedule_name(cfg: RunConfig) -> str:
     return name
 
 
+def schedule_name(ctx: TrainContext) -> str:
+    """What runs an iteration, for the start-up line: a plugin's step runner or executor may name it."""
+    for runner in (ctx.step_runner, ctx.executor):
+        name = getattr(runner, "schedule_name", None)
+        if name:
+            return name
+    return pick_schedule_name(ctx.cfg)
+
+
 def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
     from megatron.core import parallel_state
 
@@ -116,7 +126,7 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
     ctx.chunks = backend.wrap_model(chunks, cfg)
     ctx.optimizer = backend.build_optimizer(ctx.chunks, cfg.optimizer)
     if cfg.checkpoint.load:
-        ctx.iteration, ctx.consumed_samples = ckpt.load_checkpoint(
+        ctx.iteration, ctx.consumed_samples = plugins.first("load_checkpoint", ctx) or ckpt.load_checkpoint(
             cfg.checkpoint.load, ctx.chunks, ctx.optimizer, cfg, ctx.tp_rank, ctx.pp_rank
         )
         print_rank_0(f"loaded checkpoint from {cfg.checkpoint.load} at iteration {ctx.iteration}")
@@ -135,6 +145,7 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
     )
     ctx.executor = plugins.first("make_executor", ctx) or PipelineExecutor(ctx.chunks, ctx.stage, ctx.transport)
     ctx.step_runner = plugins.first("make_step_runner", ctx) or train_step
+    ctx.evaluator = plugins.first("make_evaluator", ctx) or evaluate
     plugins.call("setup", ctx)
     return ctx
 
@@ -199,7 +210,7 @@ def train(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
         f"{cfg.num_microbatches} microbatches of {t.micro_batch_size} per dp rank, "
         f"tp={cfg.parallel.tensor_model_parallel_size} pp={cfg.parallel.pipeline_model_parallel_size} "
         f"dp={cfg.parallel.data_parallel_size} vpp chunks={cfg.num_chunks}, "
-        f"schedule {getattr(ctx.executor, 'schedule_name', None) or pick_schedule_name(cfg)}, "
+        f"schedule {schedule_name(ctx)}, "
         f"device {ctx.backend.name}, plugins {plugins.names or 'none'}"
     )
     while ctx.iteration < t.train_iters:
@@ -213,7 +224,7 @@ def train(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
         logger.record(ctx.iteration, metrics)
         plugins.call("after_iteration", ctx, ctx.iteration, metrics)
         if t.eval_interval and ctx.iteration % t.eval_interval == 0:
-            logger.validation(ctx.iteration, evaluate(ctx, ctx.iteration))
+            logger.validation(ctx.iteration, ctx.evaluator(ctx, ctx.iteration))
         c = cfg.checkpoint
         should_exit = bool(t.exit_interval and ctx.iteration % t.exit_interval == 0)
         if c.save and ((c.save_interval and ctx.iteration % c.save_interval == 0)

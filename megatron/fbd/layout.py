@@ -33,8 +33,8 @@ class Instance:
 class FBDLayout:
     """Backward instances form the training mesh tp x pp x replicas (megatron order: tp fastest,
     then replica, then stage) on ranks [0, tp*pp*replicas); forward instances follow. With
-    `forward_per_process` = pp (> 1, TP=1), one process per replica hosts the forward instances of
-    all its stages as threads (thread slot = stage)."""
+    `forward_per_process` = k x pp (> 1; forward TP=1), each forward process (a "host") runs the
+    forward instances of k whole replicas as threads (thread slot = local replica x pp + stage)."""
 
     world_size: int
     tp: int
@@ -46,6 +46,15 @@ class FBDLayout:
     @property
     def threaded(self) -> bool:
         return self.forward_per_process > 1
+
+    @property
+    def replicas_per_host(self) -> int:
+        return self.forward_per_process // self.pp if self.threaded else 1
+
+    @property
+    def hosts(self) -> int:
+        """Forward processes of a threaded layout."""
+        return self.replicas // self.replicas_per_host
 
     @property
     def forward_tp(self) -> int:
@@ -60,7 +69,7 @@ class FBDLayout:
         tp = self.tp if role == BACKWARD else self.forward_tp
         base = 0 if role == BACKWARD else self.mesh_size
         if role == FORWARD and self.threaded:
-            return base + replica
+            return base + replica // self.replicas_per_host
         return base + tp_rank + tp * (replica + self.replicas * stage)
 
     def instance(self, rank: int) -> Instance:
@@ -73,9 +82,11 @@ class FBDLayout:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size}")
         if self.threaded and rank >= self.mesh_size:
-            replica = rank - self.mesh_size
-            return [Instance(rank=rank, role=FORWARD, replica=replica, stage=s, tp_rank=0, tp_size=1, slot=s)
-                    for s in range(self.pp)]
+            k = self.replicas_per_host
+            first = (rank - self.mesh_size) * k
+            return [Instance(rank=rank, role=FORWARD, replica=first + r, stage=s, tp_rank=0, tp_size=1,
+                             slot=r * self.pp + s)
+                    for r in range(k) for s in range(self.pp)]
         role, local, tp = (BACKWARD, rank, self.tp) if rank < self.mesh_size else (
             FORWARD, rank - self.mesh_size, self.forward_tp)
         tp_rank, rest = local % tp, local // tp
@@ -94,7 +105,7 @@ class FBDLayout:
 
     def forward_slot(self, replica: int, stage: int) -> int:
         """Thread slot of a forward instance in its process."""
-        return stage if self.threaded else 0
+        return (replica % self.replicas_per_host) * self.pp + stage if self.threaded else 0
 
     def partners(self, rank: int | Instance) -> list[int]:
         """Backward instance(s) feeding forward instance `rank` with weights, or the forward
@@ -112,9 +123,9 @@ class FBDLayout:
                                                                 "position_embedding", "self")}
         for role, tp in ((BACKWARD, self.tp), (FORWARD, self.forward_tp)):
             if role == FORWARD and self.threaded:
-                # One process per replica holds every stage: its pipeline, model-parallel and
-                # embedding groups are itself; its DP group is the forward hosts of all replicas.
-                hosts = [self.mesh_size + rep for rep in range(self.replicas)]
+                # A host holds every stage of its replicas: its pipeline, model-parallel and
+                # embedding groups are itself; its DP group is all forward hosts.
+                hosts = [self.mesh_size + h for h in range(self.hosts)]
                 for kind in ("mp", "tp", "pp", "embedding", "position_embedding"):
                     result[kind] += [[h] for h in hosts]
                 result["dp"].append(hosts)
@@ -200,22 +211,27 @@ def build_layout(world_size: int, tp: int, pp: int, ignore_forward_tp: bool,
 
 
 def _threaded_layout(world_size: int, tp: int, pp: int, ignore_forward_tp: bool, n: int) -> FBDLayout:
-    """--forward-instances-per-process n: supported is n = pp with TP=1, i.e. one process per replica
-    hosting the forward instances of all its stages as threads (no forward TP collectives between
-    threads, and every forward-to-forward hand-off stays in the process)."""
+    """--forward-instances-per-process n: each forward process hosts n = k x pp forward instances as
+    threads, all stages of k replicas, so every forward-to-forward hand-off stays in the process. The
+    forward side must be TP=1 (threads of one process cannot run tensor-parallel collectives inside
+    the layers): TP=1, or --ignore-forward-tensor-parallel."""
     if n < 1:
         raise ConfigError(f"--forward-instances-per-process must be >= 1, got {n}")
-    if tp != 1 or ignore_forward_tp:
+    if tp != 1 and not ignore_forward_tp:
         raise ConfigError(
-            f"--forward-instances-per-process {n} needs tp(1) without --ignore-forward-tensor-parallel: threads "
-            f"sharing a process cannot run tensor-parallel collectives inside the layers; got tp({tp})")
-    if n != pp:
+            f"--forward-instances-per-process {n} with tp({tp}) needs --ignore-forward-tensor-parallel: threads "
+            f"sharing a process cannot run tensor-parallel collectives inside the layers, so each forward "
+            f"instance must hold its whole stage (or use tp(1))")
+    if n % pp != 0:
         raise ConfigError(
-            f"--forward-instances-per-process {n} must equal pp({pp}): this version hosts the forward instances "
-            f"of all stages of one replica in one process")
-    if world_size % (pp + 1) != 0:
+            f"--forward-instances-per-process {n} must be a multiple of pp({pp}): a forward process hosts all "
+            f"stages of whole replicas (n = replicas per process x pp)")
+    k = n // pp
+    per_host = k * pp * tp + 1
+    if world_size % per_host != 0:
         raise ConfigError(
-            f"--forward-instances-per-process {n} needs world_size to be a multiple of pp({pp}) + 1 = {pp + 1} "
-            f"(pp backward ranks and one forward process per replica), got world_size({world_size})")
-    return FBDLayout(world_size=world_size, tp=tp, pp=pp, replicas=world_size // (pp + 1),
-                     ignore_forward_tp=False, forward_per_process=n)
+            f"--forward-instances-per-process {n} needs world_size to be a multiple of {k} replica(s) x pp({pp}) x "
+            f"tp({tp}) + 1 = {per_host} (the backward ranks of {k} replica(s) and their one forward process), "
+            f"got world_size({world_size}); use {per_host} x forward processes ranks")
+    return FBDLayout(world_size=world_size, tp=tp, pp=pp, replicas=k * (world_size // per_host),
+                     ignore_forward_tp=ignore_forward_tp, forward_per_process=n)

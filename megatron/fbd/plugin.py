@@ -59,17 +59,11 @@ def layout_problems(cfg, layout_error: str | None) -> list[str]:
         if getattr(args, "trace", False):
             problems.append(f"--trace with --forward-instances-per-process {n}: the trace observer records one "
                             "track per process and is not thread-safe; trace with one instance per process")
-        if t.eval_interval:
-            problems.append(f"--eval-interval with --forward-instances-per-process {n}: evaluation runs the "
-                            "trainer's pipeline executor, which needs one stage per process; drop --eval-interval")
     if args.ignore_forward_tensor_parallel:
         if m.attention_dropout > 0 and cfg.parallel.tensor_model_parallel_size > 1:
             problems.append(f"--attention-dropout {m.attention_dropout} with --ignore-forward-tensor-parallel: the "
                             "merged forward instance draws attention dropout from one TP stream while each "
                             "backward TP rank draws from its own, so recomputation would differ; use 0")
-        if cfg.checkpoint.load:
-            problems.append("--load with --ignore-forward-tensor-parallel: the merged forward instance has no "
-                            "checkpoint file of its shape; resume without --ignore-forward-tensor-parallel")
     return problems
 
 
@@ -130,6 +124,26 @@ class FBDPlugin(Plugin):
         ctx.role = me.role
         ctx.secondary = me.is_forward  # the backward instance prints the log and writes checkpoints
         return make_step(ctx, self.layout, me)
+
+    def load_checkpoint(self, ctx):
+        """A forward instance receives its weights from its backward instance(s) at the start of every
+        iteration, so it resumes only the iteration, consumed samples and RNG state, from the file of
+        its backward twin (TP rank 0's for a merged forward instance, stage 0's for a threaded host).
+        The backward instances load everything as usual."""
+        me = self.layout.instance(ctx.rank)
+        if not me.is_forward:
+            return None
+        from megatron.app import checkpoint as ckpt
+
+        return ckpt.load_progress(ctx.cfg.checkpoint.load, ctx.cfg, me.tp_rank, me.stage,
+                                  any_tensor_parallel_size=self.layout.ignore_forward_tp)
+
+    def make_evaluator(self, ctx):
+        """Evaluation runs on the backward instances (the training mesh, a complete pipeline holding
+        the weights just stepped); forward instances would only hold the previous iteration's."""
+        if self.layout.instance(ctx.rank).is_forward:
+            return lambda ctx, iteration: None
+        return None
 
     def shutdown(self, ctx) -> None:
         # Threaded forward hosts: every process leaves the coordinator's rounds together.

@@ -107,9 +107,16 @@ def _flat_weights(chunk: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in chunk.parameters()])
 
 
+SCHEDULE_NAME = "forward-backward disaggregated (forward instances without activations, backward recomputes)"
+
+
 class _StepBase:
-    def __init__(self, ctx, layout: FBDLayout, me: Instance, chunk: torch.nn.Module | None = None) -> None:
+    schedule_name = SCHEDULE_NAME
+
+    def __init__(self, ctx, layout: FBDLayout, me: Instance, chunk: torch.nn.Module | None = None,
+                 data=None) -> None:
         self.ctx, self.layout, self.me = ctx, layout, me
+        self.data = ctx.data if data is None else data  # this instance's replica's microbatches
         self.chunk = ctx.chunks[0] if chunk is None else chunk
         self.transport = ctx.transport or TorchDistributedTransport()
         cfg = ctx.cfg
@@ -165,8 +172,8 @@ class ForwardStep(_StepBase):
     RNG snapshot, the forward and the data fetch hold the host's lock (one shared generator)."""
 
     def __init__(self, ctx, layout: FBDLayout, me: Instance, chunk: torch.nn.Module | None = None,
-                 host: ForwardHost | None = None) -> None:
-        super().__init__(ctx, layout, me, chunk)
+                 host: ForwardHost | None = None, data=None) -> None:
+        super().__init__(ctx, layout, me, chunk, data)
         self.host = host
 
     def __call__(self, ctx, plugins) -> dict[str, Any]:
@@ -190,7 +197,7 @@ class ForwardStep(_StepBase):
                     stage_input = self._recv(previous, _tag(_ACTIVATION, mb), self._activation(), microbatch=mb,
                                              direction="F")
             with compute:
-                batch = ctx.data.train_microbatch(iteration, mb)
+                batch = self.data.train_microbatch(iteration, mb)
                 rng = rng_snapshot()
                 with span("forward", chunk=0, microbatch=mb), torch.no_grad():
                     output = self._forward(batch, stage_input)
@@ -247,8 +254,11 @@ class BackwardStep(_StepBase):
         if self.coordinator is None:
             self._send(forward_rank, _tag(_WEIGHTS), _flat_weights(self.chunk))
         else:
+            from megatron.fbd.threads import weight_contribution
+
             with span("send", peer=forward_rank, payload="weights"):  # forward side adds zeros: a copy
-                self.coordinator.all_reduce(self.weight_group, 0, _flat_weights(self.chunk))
+                self.coordinator.all_reduce(self.weight_group, 0,
+                                            weight_contribution(self.layout, self.me.tp_rank, _flat_weights(self.chunk)))
         backend.zero_grad(ctx.chunks)
         self.chunk.train()
         previous = None if self.is_first else self.layout.backward_of(self.me.replica, self.me.stage - 1, self.me.tp_rank)
@@ -256,7 +266,7 @@ class BackwardStep(_StepBase):
         rng_buffer = rng_snapshot()
         losses, tokens = [], 0
         for mb in range(self.num_microbatches):
-            batch = ctx.data.train_microbatch(iteration, mb)
+            batch = self.data.train_microbatch(iteration, mb)
             stage_input = None
             if not self.is_first:
                 stage_input = self._recv(forward_rank, _tag(_STAGE_INPUT, mb), self._activation(), microbatch=mb,

@@ -1,7 +1,7 @@
 """Several forward instances in one process, one thread each (`--forward-instances-per-process`).
 
-A forward host is one process per replica running the forward instances of all pipeline stages as
-threads. Collectives a thread takes part in (each iteration's weight hand-off from its backward
+A forward host is one process running the forward instances of all pipeline stages of k replicas
+as threads (forward TP=1: plain, or merged with --ignore-forward-tensor-parallel). Collectives a thread takes part in (each iteration's weight hand-off from its backward
 instance) go through the `CommunicationCoordinator`: the thread sets its bit in the group's
 bit-vector, the coordinators of all processes OR-all-reduce the table on their own process group,
 and a complete group's collective runs, ready groups in ascending order, so threads never take a
@@ -11,6 +11,7 @@ RNG snapshot to the end of its forward; the backward instance restores exactly t
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from typing import Any
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from megatron.app.model import transformer_config, unwrap_model
 from megatron.fbd.coordinator import CommunicationCoordinator
 from megatron.fbd.layout import FBDLayout, Instance
-from megatron.fbd.runner import ForwardStep, load_weights
+from megatron.fbd.runner import SCHEDULE_NAME, ForwardStep, load_weights
 
 # The host waits at most this long for one iteration of its threads (a peer failing is reported
 # by the coordinator or the transport well before).
@@ -48,14 +49,25 @@ def weight_group(layout: FBDLayout, replica: int, stage: int) -> int:
 
 
 def coordinator_groups(layout: FBDLayout) -> list[list[tuple[int, int]]]:
-    """Group g = weight_group(r, s): the backward instance (its only thread, slot 0) and the
-    forward thread (slot s) of the forward host of replica r."""
+    """Group g = weight_group(r, s): the backward instance(s) of (r, s) (one per TP rank, each its
+    process's only thread, slot 0) and the forward thread of (r, s) in its host."""
     groups = []
     for replica in range(layout.replicas):
         for stage in range(layout.pp):
-            groups.append([(layout.backward_of(replica, stage, 0), 0),
+            groups.append([*((layout.backward_of(replica, stage, t), 0) for t in range(layout.tp)),
                            (layout.forward_of(replica, stage, 0), layout.forward_slot(replica, stage))])
     return groups
+
+
+def weight_contribution(layout: FBDLayout, tp_rank: int, flat: torch.Tensor) -> torch.Tensor:
+    """A backward instance's part of the weight hand-off all-reduce: its flat weights at its TP
+    rank's offset in a buffer of tp x its size (zeros elsewhere), so the sum over the group is
+    every TP shard side by side, as a merged forward instance loads them."""
+    if layout.tp == 1:
+        return flat
+    buffer = torch.zeros(layout.tp * flat.numel(), dtype=flat.dtype, device=flat.device)
+    buffer[tp_rank * flat.numel(): (tp_rank + 1) * flat.numel()] = flat
+    return buffer
 
 
 def make_coordinator(layout: FBDLayout) -> CommunicationCoordinator:
@@ -66,15 +78,20 @@ def make_coordinator(layout: FBDLayout) -> CommunicationCoordinator:
 
 
 class ForwardHost:
-    """Step runner of a forward host: one ForwardStep per stage, each iteration run as threads."""
+    """Step runner of a forward host: one ForwardStep per hosted instance (stage of a replica), each
+    iteration run as threads; each replica's threads read that replica's data."""
+
+    schedule_name = SCHEDULE_NAME
 
     def __init__(self, ctx, layout: FBDLayout, coordinator: CommunicationCoordinator) -> None:
         self.ctx, self.layout, self.coordinator = ctx, layout, coordinator
         self.lock = threading.Lock()
         instances = layout.hosted(ctx.rank)
         chunks = [ctx.chunks[0]] + [self._build_chunk(i.stage) for i in instances[1:]]
-        self.steps = [ForwardStep(ctx, layout, i, chunk, host=self) for i, chunk in zip(instances, chunks)]
-        # activations[stage][microbatch]: stage -> stage + 1 hand-off within the process.
+        data = {r: dataclasses.replace(ctx.data, dp_rank=r, _cache={}) for r in sorted({i.replica for i in instances})}
+        self.steps = [ForwardStep(ctx, layout, i, chunk, host=self, data=data[i.replica])
+                      for i, chunk in zip(instances, chunks)]
+        # activations[slot]: the (microbatch, output) hand-off from that slot's stage to the next.
         self.activations: list[queue.Queue] = [queue.Queue() for _ in instances]
 
     def _build_chunk(self, stage: int) -> torch.nn.Module:
@@ -111,16 +128,17 @@ class ForwardHost:
 
     # --- called by the ForwardStep threads ---------------------------------------------------
     def receive_weights(self, step: ForwardStep) -> None:
-        me = step.me
-        zeros = torch.zeros(step.weight_numel(), dtype=next(step.chunk.parameters()).dtype)
+        me, tp = step.me, self.layout.tp
+        shard = step.weight_numel(tp)
+        zeros = torch.zeros(tp * shard, dtype=next(step.chunk.parameters()).dtype)
         flat = self.coordinator.all_reduce(weight_group(self.layout, me.replica, me.stage), me.slot, zeros)
-        load_weights(unwrap_model(step.chunk), [flat.to(step.device)], 1)
+        load_weights(unwrap_model(step.chunk), list(flat.to(step.device).split(shard)), tp)
 
     def put_activation(self, me: Instance, microbatch: int, output: torch.Tensor) -> None:
-        self.activations[me.stage].put((microbatch, output))
+        self.activations[me.slot].put((microbatch, output))
 
     def take_activation(self, me: Instance, microbatch: int) -> torch.Tensor:
-        got, tensor = self.activations[me.stage - 1].get(timeout=_THREAD_TIMEOUT_S)
+        got, tensor = self.activations[me.slot - 1].get(timeout=_THREAD_TIMEOUT_S)
         if got != microbatch:
             raise RuntimeError(f"stage {me.stage} expected microbatch {microbatch}, got {got}")
         return tensor
@@ -136,7 +154,7 @@ class ForwardHost:
             except BaseException as exc:  # reported by the host thread below
                 errors.append(exc)
 
-        threads = [threading.Thread(target=run, args=(i,), name=f"fbd-forward-{s.me.stage}")
+        threads = [threading.Thread(target=run, args=(i,), name=f"fbd-forward-r{s.me.replica}-s{s.me.stage}")
                    for i, s in enumerate(self.steps)]
         for t in threads:
             t.start()

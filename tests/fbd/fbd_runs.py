@@ -19,6 +19,7 @@ MODEL = [
     "--mock-data", "--vocab-size", "256", "--train-iters", "20",
 ]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|")
+VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 _ROOT = Path(tempfile.mkdtemp(prefix="fbd-tests-"))
 atexit.register(shutil.rmtree, _ROOT, True)
 
@@ -33,7 +34,8 @@ def launch(name: str, nproc: int, args: tuple[str, ...], iters: int = 20) -> dic
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
     curve = {int(m.group(1)): float(m.group(2)) for m in LOSS.finditer(proc.stdout)}
-    return {"losses": curve, "stdout": proc.stdout, "ckpt": out / "ckpt" / f"iter_{iters:07d}", "dir": out}
+    validation = {int(m.group(1)): float(m.group(2)) for m in VALIDATION.finditer(proc.stdout)}
+    return {"losses": curve, "validation": validation, "stdout": proc.stdout, "ckpt": out / "ckpt" / f"iter_{iters:07d}", "dir": out}
 
 
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:

@@ -8,10 +8,11 @@ import torch
 from fbd_runs import launch, weights
 
 FBD = ("--forward-backward-disaggregating",)
+EVAL = ("--eval-interval", "10", "--eval-iters", "2")
 CASES = {
     # name: (baseline nproc, FBD nproc, layout flags, extra FBD flags)
     "pp1": (2, 2, ("--pipeline-model-parallel-size", "1"), ()),
-    "pp2": (4, 4, ("--pipeline-model-parallel-size", "2"), ("--trace", "--trace-interval", "5",
+    "pp2": (4, 4, ("--pipeline-model-parallel-size", "2", *EVAL), ("--trace", "--trace-interval", "5",
                                                              "--continuous-trace-iterations", "2")),
     "tp2-merged-forward": (4, 3, ("--tensor-model-parallel-size", "2"), ("--ignore-forward-tensor-parallel",)),
 }
@@ -39,6 +40,10 @@ def test_fbd_matches_baseline(name):
     torch.testing.assert_close(torch.tensor([fbd["losses"][i] for i in steps]),
                                torch.tensor([baseline["losses"][i] for i in steps]), rtol=2e-6, atol=0)
     assert fbd["losses"][20] < fbd["losses"][1]
+    # Evaluation runs on the backward instances only, with the weights just stepped.
+    assert fbd["validation"].keys() == baseline["validation"].keys() == ({10, 20} if "--eval-interval" in layout else set())
+    for it in fbd["validation"]:
+        torch.testing.assert_close(fbd["validation"][it], baseline["validation"][it], rtol=2e-6, atol=0)
     expected, got = weights(baseline["ckpt"]), weights(fbd["ckpt"])
     assert expected and set(got) == set(expected)
     # Gradients are summed in another order (one replica of 2x microbatches instead of a DP mean);

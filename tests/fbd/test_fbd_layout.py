@@ -55,6 +55,32 @@ def test_threaded_forward_host_runs_every_stage_of_its_replica():
     assert coordinator_groups(layout) == [[(0, 0), (4, 0)], [(2, 0), (4, 1)], [(1, 0), (5, 0)], [(3, 0), (5, 1)]]
 
 
+def test_threaded_host_of_two_replicas_and_of_merged_tensor_parallel_stages():
+    from megatron.fbd.threads import coordinator_groups
+
+    # PP=1, 2 replicas per host: 4 backward ranks, 2 hosts.
+    layout = build_layout(6, tp=1, pp=1, ignore_forward_tp=False, forward_per_process=2)
+    assert (layout.replicas, layout.hosts) == (4, 2)
+    assert [(i.replica, i.slot) for i in layout.hosted(5)] == [(2, 0), (3, 1)]
+    assert coordinator_groups(layout) == [[(0, 0), (4, 0)], [(1, 0), (4, 1)], [(2, 0), (5, 0)], [(3, 0), (5, 1)]]
+    # TP=2 PP=2 merged: one host holds both stages; each weight group has both backward TP ranks.
+    layout = build_layout(5, tp=2, pp=2, ignore_forward_tp=True, forward_per_process=2)
+    assert [(i.stage, i.tp_size, i.slot) for i in layout.hosted(4)] == [(0, 1, 0), (1, 1, 1)]
+    assert layout.partners(layout.hosted(4)[1]) == [2, 3]
+    assert coordinator_groups(layout) == [[(0, 0), (1, 0), (4, 0)], [(2, 0), (3, 0), (4, 1)]]
+
+
+def test_merged_weight_hand_off_sums_to_the_shards_side_by_side():
+    import torch
+
+    from megatron.fbd.threads import weight_contribution
+
+    layout = build_layout(5, tp=2, pp=2, ignore_forward_tp=True, forward_per_process=2)
+    shard0, shard1 = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
+    total = weight_contribution(layout, 0, shard0) + weight_contribution(layout, 1, shard1) + torch.zeros(4)
+    assert total.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
 @pytest.mark.parametrize("world,tp,pp,ignore,fragment", [
     (6, 1, 2, False, "data-parallel size must be even: world_size(6) / (tp(1) x pp(2)) = dp(3) is odd"),
     (5, 2, 1, False, "tp(2) x pp(1) x dp(2) = 4 != world_size(5)"),

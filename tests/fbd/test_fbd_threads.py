@@ -3,10 +3,11 @@ backward ranks + one forward host whose two threads are the stages): the weight 
 through the communication coordinator, and the run equals the one-instance-per-process FBD run."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fbd_runs import launch, weights
-from test_fbd_equivalence import fbd_run, launch_dir, read_losses
+from test_fbd_equivalence import EVAL, fbd_run, launch_dir, read_losses
 
 THREADED = ("--pipeline-model-parallel-size", "2", "--forward-backward-disaggregating",
             "--forward-instances-per-process", "2")
@@ -14,14 +15,38 @@ THREADED = ("--pipeline-model-parallel-size", "2", "--forward-backward-disaggreg
 
 def test_threaded_forward_host_equals_one_instance_per_process():
     reference = fbd_run("pp2")  # 4 ranks: one forward instance per process
-    run = launch("pp2-threaded-fbd", 3, THREADED)
+    run = launch("pp2-threaded-fbd", 3, (*THREADED, *EVAL))
     assert "rank   2: fwd instance of replica 0 stage 1 tp 0/1 (thread 1)" in run["stdout"]
     assert sorted(run["losses"]) == list(range(1, 21)), run["stdout"][-2000:]
     assert run["losses"] == reference["losses"]
+    assert run["validation"] == reference["validation"] and sorted(run["validation"]) == [10, 20]
     expected, got = weights(reference["ckpt"]), weights(run["ckpt"])
     assert expected and set(got) == set(expected)
     for key in expected:  # the backward instances compute the same thing from the same inputs
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("name,nproc,layout,baseline_nproc", [
+    # One host runs the forward instances of two replicas (PP=1): 2 backward ranks + 1 host.
+    ("two-replicas-per-host", 3, ("--forward-instances-per-process", "2"), 2),
+    # TP=2 backward instances, merged forward stages as two threads of one host: 4 + 1 ranks.
+    ("tp2-pp2-merged", 5, ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                           "--ignore-forward-tensor-parallel", "--forward-instances-per-process", "2"), 4),
+])
+def test_threaded_layouts_equal_the_baseline(name, nproc, layout, baseline_nproc):
+    run = launch(f"{name}-threaded-fbd", nproc, ("--forward-backward-disaggregating", *layout), iters=10)
+    baseline_layout = tuple(a for a in layout if a != "--ignore-forward-tensor-parallel")
+    baseline_layout = baseline_layout[:baseline_layout.index("--forward-instances-per-process")]
+    baseline = launch(f"{name}-baseline", baseline_nproc, baseline_layout, iters=10)
+    assert run["stdout"].count("(thread 1)") == 1, run["stdout"][-2000:]
+    assert sorted(run["losses"]) == list(range(1, 11)), run["stdout"][-2000:]
+    steps = sorted(baseline["losses"])
+    torch.testing.assert_close(torch.tensor([run["losses"][i] for i in steps]),
+                               torch.tensor([baseline["losses"][i] for i in steps]), rtol=2e-6, atol=0)
+    expected, got = weights(baseline["ckpt"]), weights(run["ckpt"])
+    assert expected and set(got) == set(expected)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
 
 
 def test_threaded_dropout_recomputation_equals_the_forward_threads():
