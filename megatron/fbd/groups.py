@@ -76,8 +76,10 @@ def create_groups(layout: FBDLayout) -> dict[tuple[int, ...], object]:
     return made
 
 
-def install_parallel_state(layout: FBDLayout, made: dict[tuple[int, ...], object], rank: int) -> None:
-    """Point megatron-core's parallel_state at this rank's groups of the FBD layout."""
+def install_parallel_state(layout: FBDLayout, made: dict[tuple[int, ...], object], rank: int,
+                           vpp: int | None = None) -> None:
+    """Point megatron-core's parallel_state at this rank's groups of the FBD layout (and the virtual
+    pipeline size, as initialize_model_parallel sets it)."""
     from megatron.core import parallel_state
 
     for name in _OVERRIDES_TO_CLEAR:
@@ -95,6 +97,9 @@ def install_parallel_state(layout: FBDLayout, made: dict[tuple[int, ...], object
         parallel_state._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = layout.pp
         parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK = 0
         parallel_state._PIPELINE_GLOBAL_RANKS = [rank] * layout.pp
+    if vpp is not None:
+        parallel_state._VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = 0
+        parallel_state._VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = vpp
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
 

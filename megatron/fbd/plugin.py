@@ -48,9 +48,10 @@ def layout_problems(cfg, layout_error: str | None) -> list[str]:
     if args.forward_device == "cuda":
         problems.append("--forward-device cuda needs CUDA backward instances, which this version does not run; "
                         "drop --forward-device or use --forward-device cpu")
-    if cfg.parallel.num_layers_per_virtual_pipeline_stage:
-        problems.append("--num-layers-per-virtual-pipeline-stage: each FBD instance runs one model chunk per stage; "
-                        "drop the virtual pipeline")
+    if cfg.parallel.num_layers_per_virtual_pipeline_stage and args.forward_instances_per_process > 1:
+        problems.append(f"--num-layers-per-virtual-pipeline-stage with --forward-instances-per-process "
+                        f"{args.forward_instances_per_process}: a forward host builds one model chunk per stage; "
+                        "drop the virtual pipeline or host one forward instance per process")
     if getattr(args, "use_dpp", False):
         problems.append("--use-dpp: FBD replaces the whole step (forward instances run ahead), so a dynamic "
                         "pipeline executor has nothing to schedule; use one or the other")
@@ -113,7 +114,7 @@ class FBDPlugin(Plugin):
         def initialize(tp: int, pp: int, vpp: int | None) -> None:
             if dist.get_world_size() != layout.world_size:
                 raise ConfigError(f"FBD layout is for {layout.world_size} ranks, but the job has {dist.get_world_size()}")
-            install_parallel_state(layout, create_groups(layout), dist.get_rank())
+            install_parallel_state(layout, create_groups(layout), dist.get_rank(), vpp)
             if dist.get_rank() == 0:
                 print(layout.physical_map() + "\n" + layout.virtual_map(), flush=True)
 

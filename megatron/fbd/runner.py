@@ -20,13 +20,14 @@ if TYPE_CHECKING:
     from megatron.fbd.coordinator import CommunicationCoordinator
     from megatron.fbd.threads import ForwardHost
 
-# Message kinds; a tag is kind + _KINDS * microbatch, unique per (sender, receiver) per iteration.
+# Message kinds; a tag is kind + _KINDS * (microbatch + microbatches * receiving chunk), unique per
+# (sender, receiver) per iteration.
 _ACTIVATION, _STAGE_INPUT, _RNG, _GRAD, _WEIGHTS = range(5)
 _KINDS = 8
 
 
-def _tag(kind: int, microbatch: int = 0) -> int:
-    return kind + _KINDS * microbatch
+def _tag(kind: int, microbatch: int = 0, chunk: int = 0, microbatches: int = 1) -> int:
+    return kind + _KINDS * (microbatch + microbatches * chunk)
 
 
 # --- RNG state: what a forward pass draws from, packed into one byte tensor ----------------------
@@ -103,8 +104,8 @@ def load_weights(chunk: torch.nn.Module, flats: list[torch.Tensor], tp_size: int
             param.copy_(per_rank[0][index])
 
 
-def _flat_weights(chunk: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in chunk.parameters()])
+def _flat_weights(chunks: list[torch.nn.Module]) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for chunk in chunks for p in chunk.parameters()])
 
 
 SCHEDULE_NAME = "forward-backward disaggregated (forward instances without activations, backward recomputes)"
@@ -117,14 +118,17 @@ class _StepBase:
                  data=None) -> None:
         self.ctx, self.layout, self.me = ctx, layout, me
         self.data = ctx.data if data is None else data  # this instance's replica's microbatches
-        self.chunk = ctx.chunks[0] if chunk is None else chunk
+        # Model chunks of this stage: one, or one per virtual pipeline stage (chunk c is virtual
+        # stage c x pp + stage); a forward host's thread passes its own single chunk.
+        self.chunks = list(ctx.chunks) if chunk is None else [chunk]
+        self.chunk = self.chunks[0]
+        self.num_virtual = len(self.chunks) * layout.pp
         self.transport = ctx.transport or TorchDistributedTransport()
         cfg = ctx.cfg
         self.num_microbatches = cfg.num_microbatches
         self.activation_shape = (cfg.model.seq_length, cfg.training.micro_batch_size, cfg.model.hidden_size)
         self.dtype = torch.bfloat16 if cfg.model.bf16 else torch.float32
         self.device = ctx.backend.device
-        self.is_first = me.stage == 0
         self.is_last = me.stage == layout.pp - 1
         self.pending: list = []
 
@@ -141,10 +145,28 @@ class _StepBase:
     def _activation(self) -> torch.Tensor:
         return torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
 
-    def _forward(self, batch: dict, stage_input: torch.Tensor | None) -> torch.Tensor:
-        unwrap_model(self.chunk).set_input_tensor(stage_input)
-        return self.chunk(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                          labels=batch["labels"] if self.is_last else None)
+    def _forward(self, batch: dict, stage_input: torch.Tensor | None, chunk: int = 0) -> torch.Tensor:
+        model = self.chunks[chunk]
+        unwrap_model(model).set_input_tensor(stage_input)
+        return model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                     labels=batch["labels"] if self._is_last_virtual(chunk) else None)
+
+    # --- virtual pipeline: chunk c of stage s is virtual stage c x pp + s --------------------------
+    def _virtual(self, chunk: int) -> int:
+        return chunk * self.layout.pp + self.me.stage
+
+    def _is_last_virtual(self, chunk: int) -> bool:
+        return self._virtual(chunk) == self.num_virtual - 1
+
+    def _neighbour(self, chunk: int, step: int) -> tuple[int, int] | None:
+        """(stage, chunk) of virtual stage `virtual(chunk) + step` (step +-1), None past either end."""
+        v = self._virtual(chunk) + step
+        if not 0 <= v < self.num_virtual:
+            return None
+        return v % self.layout.pp, v // self.layout.pp
+
+    def _tag(self, kind: int, microbatch: int, chunk: int) -> int:
+        return _tag(kind, microbatch, chunk, self.num_microbatches)
 
     def _log_losses(self, iteration: int, losses: list[float]) -> None:
         """With --fbd-loss-log DIR, the last stage of each role appends every microbatch's loss
@@ -183,44 +205,51 @@ class ForwardStep(_StepBase):
             self._receive_weights(backward_ranks)
         else:
             host.receive_weights(self)
-        self.chunk.train()  # training-mode dropout, drawn from the RNG state sent along
-        previous = None if self.is_first else self.layout.forward_of(me.replica, me.stage - 1, me.tp_rank)
-        following = None if self.is_last else self.layout.forward_of(me.replica, me.stage + 1, me.tp_rank)
+        for model in self.chunks:
+            model.train()  # training-mode dropout, drawn from the RNG state sent along
         compute = host.lock if host is not None else contextlib.nullcontext()
         losses, tokens = [], 0
-        for mb in range(self.num_microbatches):
-            stage_input = None
-            if previous is not None:
-                if host is not None:
-                    stage_input = host.take_activation(me, mb)
-                else:
-                    stage_input = self._recv(previous, _tag(_ACTIVATION, mb), self._activation(), microbatch=mb,
-                                             direction="F")
-            with compute:
-                batch = self.data.train_microbatch(iteration, mb)
-                rng = rng_snapshot()
-                with span("forward", chunk=0, microbatch=mb), torch.no_grad():
-                    output = self._forward(batch, stage_input)
-                    if self.is_last:
-                        loss, count = microbatch_loss(output, batch)
-                        losses.append(float(loss))
-                        tokens += count
-            if following is not None:
-                if host is not None:
-                    host.put_activation(me, mb, output)
-                else:
-                    self._send(following, _tag(_ACTIVATION, mb), output, microbatch=mb, direction="F")
-            for rank in backward_ranks:
-                self._send(rank, _tag(_RNG, mb), rng, microbatch=mb)
-                if stage_input is not None:
-                    self._send(rank, _tag(_STAGE_INPUT, mb), stage_input, microbatch=mb, direction="F")
+        # Chunk by chunk, every microbatch: virtual stage v waits only on v - 1, which its rank
+        # has finished (or will, in the same order), so the all-forward order cannot deadlock.
+        for c in range(len(self.chunks)):
+            previous, following = self._neighbour(c, -1), self._neighbour(c, +1)
+            for mb in range(self.num_microbatches):
+                stage_input = None
+                if previous is not None:
+                    if host is not None:
+                        stage_input = host.take_activation(me, mb)
+                    else:
+                        peer = self.layout.forward_of(me.replica, previous[0], me.tp_rank)
+                        stage_input = self._recv(peer, self._tag(_ACTIVATION, mb, c), self._activation(),
+                                                 chunk=c, microbatch=mb, direction="F")
+                with compute:
+                    batch = self.data.train_microbatch(iteration, mb)
+                    rng = rng_snapshot()
+                    with span("forward", chunk=c, microbatch=mb), torch.no_grad():
+                        output = self._forward(batch, stage_input, c)
+                        if following is None:
+                            loss, count = microbatch_loss(output, batch)
+                            losses.append(float(loss))
+                            tokens += count
+                if following is not None:
+                    if host is not None:
+                        host.put_activation(me, mb, output)
+                    else:
+                        peer = self.layout.forward_of(me.replica, following[0], me.tp_rank)
+                        self._send(peer, self._tag(_ACTIVATION, mb, following[1]), output, chunk=c, microbatch=mb,
+                                   direction="F")
+                for rank in backward_ranks:
+                    self._send(rank, self._tag(_RNG, mb, c), rng, chunk=c, microbatch=mb)
+                    if stage_input is not None:
+                        self._send(rank, self._tag(_STAGE_INPUT, mb, c), stage_input, chunk=c, microbatch=mb,
+                                   direction="F")
         self._finish()
         self._log_losses(iteration, losses)
         return {"lm loss": sum(losses) / len(losses) if losses else None, "grad norm": 0.0,
                 "learning rate": _learning_rate(ctx), "updated": True, "num_tokens": tokens}
 
     def weight_numel(self, tp_size: int = 1) -> int:
-        return sum(s.numel() for s in shard_shapes(self.chunk, tp_size))
+        return sum(s.numel() for model in self.chunks for s in shard_shapes(model, tp_size))
 
     def _receive_weights(self, backward_ranks: list[int]) -> None:
         numel = self.weight_numel(len(backward_ranks))
@@ -231,7 +260,16 @@ class ForwardStep(_StepBase):
             for handle in handles:
                 handle.wait()
         with span("load_weights"):
-            load_weights(unwrap_model(self.chunk), buffers, len(backward_ranks))
+            load_chunk_weights(self.chunks, buffers, len(backward_ranks))
+
+
+def load_chunk_weights(chunks: list[torch.nn.Module], flats: list[torch.Tensor], tp_size: int) -> None:
+    """Each backward TP rank's flat weights hold its chunks one after the other: split them per
+    chunk and load each chunk's TP shards (load_weights)."""
+    sizes = [sum(s.numel() for s in shard_shapes(model, tp_size)) for model in chunks]
+    per_chunk = zip(*(flat.split(sizes) for flat in flats))
+    for model, pieces in zip(chunks, per_chunk):
+        load_weights(unwrap_model(model), list(pieces), tp_size)
 
 
 class BackwardStep(_StepBase):
@@ -245,51 +283,56 @@ class BackwardStep(_StepBase):
         self.coordinator, self.weight_group = coordinator, weight_group
 
     def __call__(self, ctx, plugins) -> dict[str, Any]:
-        iteration, backend = ctx.iteration, ctx.backend
-        from megatron.app.train import set_learning_rate
+        iteration, backend, me = ctx.iteration, ctx.backend, self.me
+        from megatron.app.train import set_learning_rate, sync_grads_and_step
 
         lr = set_learning_rate(ctx)
-        (forward_rank,) = self.layout.partners(self.me.rank)
+        (forward_rank,) = self.layout.partners(me.rank)
         # The forward instance runs this iteration with exactly the weights we hold now.
         if self.coordinator is None:
-            self._send(forward_rank, _tag(_WEIGHTS), _flat_weights(self.chunk))
+            self._send(forward_rank, _tag(_WEIGHTS), _flat_weights(self.chunks))
         else:
             from megatron.fbd.threads import weight_contribution
 
             with span("send", peer=forward_rank, payload="weights"):  # forward side adds zeros: a copy
                 self.coordinator.all_reduce(self.weight_group, 0,
-                                            weight_contribution(self.layout, self.me.tp_rank, _flat_weights(self.chunk)))
+                                            weight_contribution(self.layout, me.tp_rank, _flat_weights(self.chunks)))
         backend.zero_grad(ctx.chunks)
-        self.chunk.train()
-        previous = None if self.is_first else self.layout.backward_of(self.me.replica, self.me.stage - 1, self.me.tp_rank)
-        following = None if self.is_last else self.layout.backward_of(self.me.replica, self.me.stage + 1, self.me.tp_rank)
+        for model in self.chunks:
+            model.train()
         rng_buffer = rng_snapshot()
         losses, tokens = [], 0
-        for mb in range(self.num_microbatches):
-            batch = self.data.train_microbatch(iteration, mb)
-            stage_input = None
-            if not self.is_first:
-                stage_input = self._recv(forward_rank, _tag(_STAGE_INPUT, mb), self._activation(), microbatch=mb,
-                                         direction="F")
-                stage_input.requires_grad_(True)
-            rng_restore(self._recv(forward_rank, _tag(_RNG, mb), torch.empty_like(rng_buffer), microbatch=mb))
-            with span("forward", chunk=0, microbatch=mb):  # recomputation
-                output = self._forward(batch, stage_input)
-                if self.is_last:
-                    loss, count = microbatch_loss(output, batch)
-                    losses.append(float(loss.detach()))
-                    tokens += count
-                    output = loss / self.num_microbatches
-            grad_output = None
-            if following is not None:
-                grad_output = self._recv(following, _tag(_GRAD, mb), self._activation(), microbatch=mb,
-                                         direction="B")
-            with span("backward", chunk=0, microbatch=mb):
-                torch.autograd.backward(output, grad_tensors=grad_output)
-            if previous is not None:
-                self._send(previous, _tag(_GRAD, mb), stage_input.grad, microbatch=mb, direction="B")
-        from megatron.app.train import sync_grads_and_step
-
+        # Chunks in reverse, every microbatch: virtual stage v's gradient comes from v + 1, which
+        # its rank has finished already (the same order there), so this cannot deadlock either.
+        for c in reversed(range(len(self.chunks))):
+            previous, following = self._neighbour(c, -1), self._neighbour(c, +1)
+            for mb in range(self.num_microbatches):
+                batch = self.data.train_microbatch(iteration, mb)
+                stage_input = None
+                if previous is not None:
+                    stage_input = self._recv(forward_rank, self._tag(_STAGE_INPUT, mb, c), self._activation(),
+                                             chunk=c, microbatch=mb, direction="F")
+                    stage_input.requires_grad_(True)
+                rng_restore(self._recv(forward_rank, self._tag(_RNG, mb, c), torch.empty_like(rng_buffer),
+                                       chunk=c, microbatch=mb))
+                with span("forward", chunk=c, microbatch=mb):  # recomputation
+                    output = self._forward(batch, stage_input, c)
+                    if following is None:
+                        loss, count = microbatch_loss(output, batch)
+                        losses.append(float(loss.detach()))
+                        tokens += count
+                        output = loss / self.num_microbatches
+                grad_output = None
+                if following is not None:
+                    peer = self.layout.backward_of(me.replica, following[0], me.tp_rank)
+                    grad_output = self._recv(peer, self._tag(_GRAD, mb, c), self._activation(), chunk=c,
+                                             microbatch=mb, direction="B")
+                with span("backward", chunk=c, microbatch=mb):
+                    torch.autograd.backward(output, grad_tensors=grad_output)
+                if previous is not None:
+                    peer = self.layout.backward_of(me.replica, previous[0], me.tp_rank)
+                    self._send(peer, self._tag(_GRAD, mb, previous[1]), stage_input.grad, chunk=c, microbatch=mb,
+                               direction="B")
         updated, grad_norm = sync_grads_and_step(ctx, plugins, iteration)
         self._finish()
         self._log_losses(iteration, losses)

@@ -15,6 +15,9 @@ CASES = {
     "pp2": (4, 4, ("--pipeline-model-parallel-size", "2", *EVAL), ("--trace", "--trace-interval", "5",
                                                              "--continuous-trace-iterations", "2")),
     "tp2-merged-forward": (4, 3, ("--tensor-model-parallel-size", "2"), ("--ignore-forward-tensor-parallel",)),
+    # Virtual pipeline: 4 layers, 2 chunks per stage, interleaved 1F1B on the baseline.
+    "pp2-vpp2": (4, 4, ("--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                        "--num-layers-per-virtual-pipeline-stage", "1"), ()),
 }
 
 
@@ -32,6 +35,7 @@ def launch_dir(name: str):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_fbd_matches_baseline(name):
+    """Same seed, data and global batch: FBD's loss curve and final weights equal the baseline's."""
     baseline_nproc, _, layout, _ = CASES[name]
     baseline = launch(f"{name}-baseline", baseline_nproc, layout)
     fbd = fbd_run(name)
@@ -62,18 +66,21 @@ def read_losses(path) -> dict[tuple[int, int], str]:
     return {(r["iteration"], r["microbatch"]): r["loss"] for r in rows}
 
 
-def test_dropout_recomputation_equals_the_forward_instance():
+@pytest.mark.parametrize("vpp", [(), ("--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1")],
+                         ids=["pp2", "pp2-vpp2"])
+def test_dropout_recomputation_equals_the_forward_instance(vpp):
     """--hidden-dropout/--attention-dropout 0.1, PP=2: the backward instance restores the RNG state
     the forward instance used, so its recomputed loss equals the forward's for every microbatch,
     bit for bit. (The weights do not equal a non-FBD run's: one replica draws the masks of 2x
     microbatches from one stream, where two DP ranks draw them from two; see docs/megafbd.md.)"""
-    log = launch_dir("dropout") / "losses"
+    name = "dropout" + ("-vpp" if vpp else "")
+    log = launch_dir(name) / "losses"
     dropout = ("--hidden-dropout", "0.1", "--attention-dropout", "0.1")
-    run = launch("dropout-fbd", 4, ("--pipeline-model-parallel-size", "2", *FBD, *dropout,
+    run = launch(f"{name}-fbd", 4, ("--pipeline-model-parallel-size", "2", *vpp, *FBD, *dropout,
                                     "--fbd-loss-log", str(log)), iters=4)
     forward, backward = read_losses(log / "fwd-replica0.jsonl"), read_losses(log / "bwd-replica0.jsonl")
     assert sorted(forward) == [(i, mb) for i in range(4) for mb in range(4)]
     assert forward == backward
     # Dropout is really on: the same first step without it gives another loss.
-    plain = launch("pp2-baseline", 4, CASES["pp2"][2])
+    plain = launch(f"{'pp2-vpp2' if vpp else 'pp2'}-baseline", 4, CASES["pp2-vpp2" if vpp else "pp2"][2])
     assert run["losses"][1] != plain["losses"][1]

@@ -13,8 +13,9 @@ FBD = ["--forward-backward-disaggregating"]
 
 @pytest.mark.parametrize("world,flags,fragments", [
     (6, [*FBD, "--pipeline-model-parallel-size", "2"], ["dp(3) is odd", "launch 8 ranks"]),
-    (4, [*FBD, "--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-model-parallel-size", "2"],
-     ["--num-layers-per-virtual-pipeline-stage: each FBD instance runs one model chunk"]),
+    (3, [*FBD, "--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-model-parallel-size", "2",
+         "--num-layers", "4", "--forward-instances-per-process", "2"],
+     ["--num-layers-per-virtual-pipeline-stage with --forward-instances-per-process 2"]),
     (2, [*FBD, "--device", "cuda"], ["--device cuda: the disaggregated step runs on the CPU backend"]),
     (3, [*FBD, "--ignore-forward-tensor-parallel", "--tensor-model-parallel-size", "2", "--attention-dropout", "0.1"],
      ["--attention-dropout 0.1 with --ignore-forward-tensor-parallel"]),
