@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -20,8 +19,9 @@ from pathlib import Path
 
 import torch
 
+from training_throughput import ITER_MS  # the trainer's per-iteration time, from its log line
+
 ROOT = Path(__file__).resolve().parents[1]
-ITER_MS = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
 def _env() -> dict:

@@ -1,8 +1,8 @@
 """Several forward instances in one process, one thread each (`--forward-instances-per-process`).
 
 A forward host is one process running the forward instances of all pipeline stages of k replicas
-as threads (forward TP=1: plain, or merged with --ignore-forward-tensor-parallel). Collectives a thread takes part in (each iteration's weight hand-off from its backward
-instance) go through the `CommunicationCoordinator`: the thread sets its bit in the group's
+as threads (forward TP=1: plain, or merged with --ignore-forward-tensor-parallel). Collectives a
+thread takes part in (each iteration's weight hand-off from its backward instance(s)) go through the `CommunicationCoordinator`: the thread sets its bit in the group's
 bit-vector, the coordinators of all processes OR-all-reduce the table on their own process group,
 and a complete group's collective runs, ready groups in ascending order, so threads never take a
 communicator another thread is waiting in. Stage-to-stage activations stay in the process.
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron.app.model import transformer_config, unwrap_model
 from megatron.fbd.coordinator import CommunicationCoordinator
 from megatron.fbd.layout import FBDLayout, Instance
-from megatron.fbd.runner import SCHEDULE_NAME, ForwardStep, load_weights
+from megatron.fbd.runner import SCHEDULE_NAME, ForwardStep, load_chunk_weights
 
 # The host waits at most this long for one iteration of its threads (a peer failing is reported
 # by the coordinator or the transport well before).
@@ -132,7 +132,7 @@ class ForwardHost:
         shard = step.weight_numel(tp)
         zeros = torch.zeros(tp * shard, dtype=next(step.chunk.parameters()).dtype)
         flat = self.coordinator.all_reduce(weight_group(self.layout, me.replica, me.stage), me.slot, zeros)
-        load_weights(unwrap_model(step.chunk), list(flat.to(step.device).split(shard)), tp)
+        load_chunk_weights(step.chunks, list(flat.to(step.device).split(shard)), tp)
 
     def put_activation(self, me: Instance, microbatch: int, output: torch.Tensor) -> None:
         self.activations[me.slot].put((microbatch, output))

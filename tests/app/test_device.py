@@ -95,3 +95,12 @@ def test_forced_cuda_path_trains_with_nccl():
     proc = torchrun("pretrain_gpt.py", [*SMALL, "--device", "cuda"], nproc=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "device cuda" in proc.stdout and " iteration        3/" in proc.stdout
+
+
+def test_more_local_ranks_than_gpus_stops_before_nccl(monkeypatch):
+    """The check runs before any CUDA call, so it is exercised here with a pretend GPU count."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(device.DeviceError, match=r"2 ranks on this node but 1 GPU; .* or pass --device cpu"):
+        device.CUDABackend()

@@ -38,6 +38,21 @@ def launch(name: str, nproc: int, args: tuple[str, ...], iters: int = 20) -> dic
     return {"losses": curve, "validation": validation, "stdout": proc.stdout, "ckpt": out / "ckpt" / f"iter_{iters:07d}", "dir": out}
 
 
+def assert_same_training(run: dict, baseline: dict, last: int) -> None:
+    """An FBD run printed the baseline's loss curve (rtol 2e-6, the printed precision) for
+    iterations 1..last and ended with its weights. Gradients are summed in another order (one
+    replica of 2x microbatches instead of a DP mean); Adam turns the ~1e-9 differences of near-zero
+    gradients into ~1e-6 steps, hence atol on the weights."""
+    assert sorted(run["losses"]) == list(range(1, last + 1)), run["stdout"][-2000:]
+    steps = sorted(baseline["losses"])
+    torch.testing.assert_close(torch.tensor([run["losses"][i] for i in steps]),
+                               torch.tensor([baseline["losses"][i] for i in steps]), rtol=2e-6, atol=0)
+    expected, got = weights(baseline["ckpt"]), weights(run["ckpt"])
+    assert expected and set(got) == set(expected)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:
     """Final model weights by (tp, pp) file and parameter name."""
     result = {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fbd_runs import launch, weights
+from fbd_runs import assert_same_training, launch, weights
 from test_fbd_equivalence import EVAL, fbd_run, launch_dir, read_losses
 
 THREADED = ("--pipeline-model-parallel-size", "2", "--forward-backward-disaggregating",
@@ -26,27 +26,21 @@ def test_threaded_forward_host_equals_one_instance_per_process():
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
 
 
-@pytest.mark.parametrize("name,nproc,layout,baseline_nproc", [
+TP2_PP2 = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
+
+
+@pytest.mark.parametrize("name,nproc,threaded,baseline_nproc,baseline_layout", [
     # One host runs the forward instances of two replicas (PP=1): 2 backward ranks + 1 host.
-    ("two-replicas-per-host", 3, ("--forward-instances-per-process", "2"), 2),
+    ("two-replicas-per-host", 3, ("--forward-instances-per-process", "2"), 2, ()),
     # TP=2 backward instances, merged forward stages as two threads of one host: 4 + 1 ranks.
-    ("tp2-pp2-merged", 5, ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                           "--ignore-forward-tensor-parallel", "--forward-instances-per-process", "2"), 4),
+    ("tp2-pp2-merged", 5, (*TP2_PP2, "--ignore-forward-tensor-parallel", "--forward-instances-per-process", "2"),
+     4, TP2_PP2),
 ])
-def test_threaded_layouts_equal_the_baseline(name, nproc, layout, baseline_nproc):
-    run = launch(f"{name}-threaded-fbd", nproc, ("--forward-backward-disaggregating", *layout), iters=10)
-    baseline_layout = tuple(a for a in layout if a != "--ignore-forward-tensor-parallel")
-    baseline_layout = baseline_layout[:baseline_layout.index("--forward-instances-per-process")]
+def test_threaded_layouts_equal_the_baseline(name, nproc, threaded, baseline_nproc, baseline_layout):
+    run = launch(f"{name}-threaded-fbd", nproc, ("--forward-backward-disaggregating", *threaded), iters=10)
     baseline = launch(f"{name}-baseline", baseline_nproc, baseline_layout, iters=10)
     assert run["stdout"].count("(thread 1)") == 1, run["stdout"][-2000:]
-    assert sorted(run["losses"]) == list(range(1, 11)), run["stdout"][-2000:]
-    steps = sorted(baseline["losses"])
-    torch.testing.assert_close(torch.tensor([run["losses"][i] for i in steps]),
-                               torch.tensor([baseline["losses"][i] for i in steps]), rtol=2e-6, atol=0)
-    expected, got = weights(baseline["ckpt"]), weights(run["ckpt"])
-    assert expected and set(got) == set(expected)
-    for key in expected:
-        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    assert_same_training(run, baseline, 10)
 
 
 def test_threaded_dropout_recomputation_equals_the_forward_threads():
