@@ -1,11 +1,17 @@
 """Slow-rank detection accuracy: precision, recall and top-1 localization over scenarios with
 known faults: synthetic traces of 8 to 1024 ranks, and (with --real) real 4- and 8-rank CPU runs
 with injected slowdowns (1.15x to 3x) and link delays. Prints one row per scenario and a total line.
+With --external, real runs whose faults come from outside the job (cgroup CPU quotas through
+`python -m megatron.scan fault`) and from the in-process injector, each repeated --repeat times
+beside healthy runs of every layout: hit rate, wrong names and job-level slowdown per scenario,
+precision / recall / top-1 over all runs, and the resolution.
 
-    python benchmarks/detection_accuracy.py [--real] [--max-ranks 1024]"""
+    python benchmarks/detection_accuracy.py [--real] [--max-ranks 1024]
+    python benchmarks/detection_accuracy.py --external --repeat 5 [--jitter-sweep] [--keep DIR]"""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -14,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "scan"))
 
 from megatron.scan.detect import run_detection  # noqa: E402
 from megatron.scan.detect.faults import FaultCase  # noqa: E402
@@ -101,14 +108,187 @@ def run_real(keep: str | None = None):
             yield name, nproc, score(detection, ranks, links), time.perf_counter() - started
 
 
+PP2, TP2, PP4 = ["--pipeline-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"], \
+    ["--pipeline-model-parallel-size", "4"]
+LAYOUTS = {"pp2-dp2": (4, PP2), "tp2-pp2": (4, [*TP2, *PP2]), "tp2-dp2": (4, TP2), "dp4": (4, []),
+           "pp4": (4, PP4), "tp2-pp2-dp2": (8, [*TP2, *PP2]), "pp4-dp2": (8, PP4)}
+
+
+def external_scenarios(iterations: int) -> list:
+    """Faults applied from outside (cgroup CPU quotas on one or two ranks, light to heavy, from the
+    start or mid-run) and by the in-process injector (constant factor, bursty stalls), on DP, TP,
+    PP, PP-only and mixed layouts of 4 and 8 ranks; plus each layout healthy. The healthy runs are
+    the job-level baseline and the false-alarm count."""
+    from fault_runs import Scenario, Throttle
+
+    def make(name, layout, expected, *, throttles=(), inject=(), links=()):
+        nproc, flags = LAYOUTS[layout]
+        return Scenario(name=name, nproc=nproc, layout=flags, expected=list(expected), expected_links=list(links),
+                        throttles=list(throttles), inject=list(inject), iterations=iterations,
+                        healthy_of=f"healthy {layout}")
+
+    mid = iterations // 2
+    scenarios = [make(f"healthy {layout}", layout, []) for layout in LAYOUTS]
+    scenarios += [
+        make("pp2-dp2 throttle r1 0.5 core", "pp2-dp2", [1], throttles=[Throttle(rank=1, fraction=0.5)]),
+        make("pp2-dp2 throttle r1 0.3 core", "pp2-dp2", [1], throttles=[Throttle(rank=1, fraction=0.3)]),
+        make("pp2-dp2 throttle r1 0.15 core", "pp2-dp2", [1], throttles=[Throttle(rank=1, fraction=0.15)]),
+        make(f"pp2-dp2 throttle r2 0.3 core from it {mid}", "pp2-dp2", [2],
+             throttles=[Throttle(rank=2, fraction=0.3, onset=mid)]),
+        make("pp2-dp2 throttle r0+r3 0.3 core", "pp2-dp2", [0, 3],
+             throttles=[Throttle(rank=0, fraction=0.3), Throttle(rank=3, fraction=0.3)]),
+        make("tp2-pp2 throttle r2 0.3 core", "tp2-pp2", [2], throttles=[Throttle(rank=2, fraction=0.3)]),
+        make("tp2-dp2 throttle r3 0.3 core", "tp2-dp2", [3], throttles=[Throttle(rank=3, fraction=0.3)]),
+        make("dp4 throttle r2 0.3 core", "dp4", [2], throttles=[Throttle(rank=2, fraction=0.3)]),
+        make("pp4 throttle r1 0.3 core", "pp4", [1], throttles=[Throttle(rank=1, fraction=0.3)]),
+        make("pp2-dp2 inject r1 1.5x", "pp2-dp2", [1], inject=["--inject-slowdown", "1:1.5"]),
+        make("tp2-pp2 inject r2 stalls 40/100 ms", "tp2-pp2", [2], inject=["--inject-stall", "2:40:100"]),
+        make(f"tp2-dp2 inject r1 1.5x from it {mid}", "tp2-dp2", [1], inject=["--inject-slowdown", f"1:1.5:{mid}"]),
+        make("pp4 inject r2 1.5x", "pp4", [2], inject=["--inject-slowdown", "2:1.5"]),
+        make("pp2-dp2 link 0->2 +20 ms", "pp2-dp2", [], links=[(0, 2)], inject=["--inject-link-delay", "0:2:20"]),
+        make("tp2-pp2-dp2 throttle r5 0.3 core", "tp2-pp2-dp2", [5], throttles=[Throttle(rank=5, fraction=0.3)]),
+        make("pp4-dp2 throttle r6 0.3 core", "pp4-dp2", [6], throttles=[Throttle(rank=6, fraction=0.3)]),
+        make("tp2-pp2-dp2 inject r5 stalls 40/100 ms", "tp2-pp2-dp2", [5], inject=["--inject-stall", "5:40:100"]),
+    ]
+    return scenarios
+
+
+def run_external(repeat: int, iterations: int, keep: str | None, only: str | None, max_ranks: int) -> int:
+    """Every scenario `repeat` times, round-robin (so that drift in the host's load reaches all
+    alike); prints one line per run as it goes, then the table."""
+    from fault_runs import run as run_scenario
+
+    scenarios = [s for s in external_scenarios(iterations) if s.nproc <= max_ranks
+                 and (only is None or only in s.name or s.healthy)]
+    results: dict[str, list[dict]] = {s.name: [] for s in scenarios}
+    total = repeat * len(scenarios)
+    started = time.perf_counter()
+    for round_ in range(repeat):
+        for scenario in scenarios:
+            with tempfile.TemporaryDirectory() as scratch:
+                directory = Path(keep) / f"{scenario.name.replace(' ', '_').replace('>', '')}-{round_}" if keep \
+                    else Path(scratch)
+                saved = directory / "run.json"
+                if keep and saved.exists():  # kept by an earlier --keep run: re-scored, not re-run
+                    entry = json.loads(saved.read_text())
+                else:
+                    outcome = run_scenario(scenario, directory)
+                    entry = {"median_ms": outcome.median_ms(first=max(2, scenario.onset + 1)),
+                             "ok": outcome.returncode == 0}
+                    if keep:
+                        directory.mkdir(parents=True, exist_ok=True)
+                        saved.write_text(json.dumps(entry))
+                if entry["ok"]:
+                    detection = run_detection(directory, jobs=1, what_if=False)
+                    entry.update(score(detection, scenario.expected, scenario.expected_links), verdict=detection.verdict)
+                results[scenario.name].append(entry)
+            done = sum(len(v) for v in results.values())
+            print(f"[{done}/{total} {time.perf_counter() - started:.0f}s] {scenario.name}: "
+                  f"{entry.get('verdict', 'TRAINING FAILED')} named {entry.get('named')} ({entry['median_ms']:.0f} ms/it)",
+                  file=sys.stderr, flush=True)
+    return report_external(scenarios, results)
+
+
+def report_external(scenarios: list, results: dict[str, list[dict]]) -> int:
+    import statistics
+
+    print("| scenario | ranks | expected | job slowdown | named (hit rate) | runs with a wrong name | verdicts |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    totals = {"true_positive": 0, "false_positive": 0, "false_negative": 0, "top1": 0, "runs": 0}
+    healthy_runs = healthy_alarms = 0
+    resolution: list[tuple[float, float]] = []
+    for scenario in scenarios:
+        runs = [r for r in results[scenario.name] if r["ok"]]
+        baseline = [r["median_ms"] for r in results.get(scenario.healthy_of, []) if r["ok"]]
+        mine = [r["median_ms"] for r in runs]
+        slowdown = statistics.median(mine) / statistics.median(baseline) if mine and baseline else float("nan")
+        expected = scenario.expected + [tuple(link) for link in scenario.expected_links]
+        hits = sum(1 for r in runs if set(expected) <= set(r["named"])) if expected else \
+            sum(1 for r in runs if not r["named"])
+        wrong = sum(1 for r in runs if set(r["named"]) - set(expected))
+        verdicts = ", ".join(f"{v} {n}" for v, n in sorted(statistics_counter(r["verdict"] for r in runs).items()))
+        failed = len(results[scenario.name]) - len(runs)
+        print(f"| {scenario.name} | {scenario.nproc} | {expected or '-'} | "
+              f"{'-' if scenario.healthy else f'{slowdown:.2f}x'} | {hits}/{len(runs)} | {wrong}/{len(runs)} | "
+              f"{verdicts}{f', {failed} failed to train' if failed else ''} |", flush=True)
+        for r in runs:
+            for key in ("true_positive", "false_positive", "false_negative"):
+                totals[key] += r[key]
+            totals["top1"] += bool(r["top1"])
+            totals["runs"] += 1
+        if scenario.healthy:
+            healthy_runs += len(runs)
+            healthy_alarms += sum(1 for r in runs if r["named"])
+        elif runs and scenario.expected:
+            resolution.append((slowdown, hits / len(runs)))
+    tp, fp, fn = totals["true_positive"], totals["false_positive"], totals["false_negative"]
+    precision = tp / (tp + fp) if tp + fp else 1.0
+    recall = tp / (tp + fn) if tp + fn else 1.0
+    print(f"\nprecision {precision:.3f}, recall {recall:.3f}, top-1 {totals['top1']}/{totals['runs']} runs, "
+          f"healthy runs with a name {healthy_alarms}/{healthy_runs}")
+    named_90 = sorted(s for s, rate in resolution if rate >= 0.9 and s == s)
+    missed = sorted((s, rate) for s, rate in resolution if rate < 0.9)
+    print(f"resolution: smallest job-level slowdown named in >= 90% of runs: "
+          f"{f'{named_90[0]:.2f}x' if named_90 else 'none'}; scenarios below 90%: "
+          f"{', '.join(f'{s:.2f}x ({100 * r:.0f}%)' for s, r in missed) or 'none'}")
+    return 0
+
+
+def statistics_counter(values) -> dict:
+    from collections import Counter
+
+    return dict(Counter(values))
+
+
+def jitter_sweep(factors=(1.1, 1.15, 1.2, 1.3, 1.5), jitters=(0.1, 0.2, 0.3, 0.4), seeds: int = 5) -> None:
+    """Synthetic detection-limit curve: hit rate of a slowed rank per (per-task jitter, factor)."""
+    print("\n| jitter | " + " | ".join(f"{f}x" for f in factors) + " | healthy runs with a name |")
+    print("| --- |" + " --- |" * (len(factors) + 1))
+    for jitter in jitters:
+        cells = []
+        for factor in factors:
+            hits = 0
+            for seed in range(seeds):
+                with tempfile.TemporaryDirectory() as directory:
+                    generate_case(FaultCase(tp=2, pp=2, dp=2, slow={5: factor}, iterations=8, jitter=jitter, seed=seed),
+                                  directory)
+                    named = [s.ranks[0] for s in run_detection(directory, jobs=1, what_if=False).suspects]
+                hits += named[:1] == [5]
+            cells.append(f"{hits}/{seeds}")
+        alarms = 0
+        for seed in range(seeds):
+            with tempfile.TemporaryDirectory() as directory:
+                generate_case(FaultCase(tp=2, pp=2, dp=2, iterations=8, jitter=jitter, seed=100 + seed), directory)
+                alarms += bool(run_detection(directory, jobs=1, what_if=False).suspects)
+        print(f"| {jitter:.0%} | " + " | ".join(cells) + f" | {alarms}/{seeds} |", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--real", action="store_true", help="also run the real 4- and 8-rank CPU scenarios (minutes)")
     parser.add_argument("--real-only", action="store_true")
+    parser.add_argument("--external", action="store_true",
+                        help="the real scenarios with faults from outside (cgroup throttles) and the in-process "
+                             "injector, repeated, with healthy baselines (an hour and more on 2 cores)")
+    parser.add_argument("--repeat", type=int, default=5, metavar="N", help="runs per --external scenario")
+    parser.add_argument("--iterations", type=int, default=16, help="training iterations per --external run (all traced)")
+    parser.add_argument("--only", default=None, metavar="TEXT",
+                        help="--external: only scenarios whose name contains TEXT (and the healthy ones)")
+    parser.add_argument("--jitter-sweep", action="store_true", help="synthetic detection-limit curve over jitter 10-40%%")
     parser.add_argument("--max-ranks", type=int, default=1024)
     parser.add_argument("--keep", default=None, metavar="DIR",
                         help="keep the real runs' traces under DIR; traces already there are re-scored, not re-run")
     args = parser.parse_args()
+    if args.external:
+        if args.repeat < 1:
+            parser.error("--repeat must be >= 1")
+        code = run_external(args.repeat, args.iterations, args.keep, args.only, args.max_ranks)
+        if args.jitter_sweep:
+            jitter_sweep()
+        return code
+    if args.jitter_sweep:
+        jitter_sweep()
+        return 0
     print(f"| scenario | ranks | expected | named | TP | FP | FN | top-1 | detect s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     totals = {"true_positive": 0, "false_positive": 0, "false_negative": 0, "top1": 0, "cases": 0, "healthy_alarms": 0}

@@ -17,7 +17,7 @@ THREADS = {1: "compute", 2: "p2p", 3: "collectives", 4: "async collectives"}
 _P2P = {"send", "recv"}
 _CATEGORY = {"iteration": "step", "data": "data", "forward": "compute", "backward": "compute",
              "layer_forward": "layer", "layer_backward": "layer", "grad_sync": "step", "optimizer": "step",
-             "send": "p2p", "recv": "p2p"}
+             "send": "p2p", "recv": "p2p", "collective_wait": "collective"}
 
 
 def _group_label(group: dict[str, Any]) -> str:
@@ -73,6 +73,7 @@ def thread_of(trace: GlobalTrace) -> np.ndarray:
     tid[np.isin(c["name"], trace.ids(_P2P))] = 2
     collective = c["group"] >= 0
     tid[collective] = np.where((c["flags"][collective] & FLAG_ASYNC) > 0, 4, 3)
+    tid[c["name"] == trace.name_id("collective_wait")] = 4  # waiting on an async collective's handle
     return tid
 
 

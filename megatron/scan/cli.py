@@ -1,5 +1,6 @@
 """`python -m megatron.scan <command>`: `aggregate DIR -o OUT.json` merges, aligns and links all
-rank traces into one Chrome trace; `synthesize` writes synthetic 3D-parallel traces."""
+rank traces into one Chrome trace; `synthesize` writes synthetic 3D-parallel traces; `detect`,
+`hang`, `launch`, and `fault` (faults applied to a running job from outside)."""
 from __future__ import annotations
 
 import argparse
@@ -80,7 +81,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from megatron.scan.detect.cli import add_detect_parser
 
     add_detect_parser(commands)
+    from megatron.scan import fault
+
+    fault.add_arguments(commands.add_parser("fault", help="apply a fault to a running job from outside: throttle, "
+                                                          "freeze, thaw, kill, release, list"))
     args = parser.parse_args(argv)
+    if args.command == "fault":
+        return fault.run(args)
     if args.command == "detect":
         from megatron.scan.detect.cli import run_detect
 

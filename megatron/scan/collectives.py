@@ -58,9 +58,13 @@ class CollectiveObserver:
     """Installs wrappers around the collectives; `sink(name, start, end, bytes, dtype, group, seq,
     flags)` is called for each outermost call while `recording` is true."""
 
-    def __init__(self, now: Callable[[], Any], sink: Callable[..., None]) -> None:
+    def __init__(self, now: Callable[[], Any], sink: Callable[..., None],
+                 wait_sink: Callable[[Any, Any], None] | None = None) -> None:
         self.now = now
         self.sink = sink
+        # Called as wait_sink(start, end) when code waits on the handle of an async collective
+        # issued in a traced window: that wait is time the rank spent on its peers, not its work.
+        self.wait_sink = wait_sink
         self.recording = False
         self.groups: dict[int, GroupInfo] = {}
         self._by_object: dict[int, tuple[Any, GroupInfo]] = {}
@@ -126,7 +130,10 @@ class CollectiveObserver:
             host_start = time.perf_counter_ns()
             start = observer.now() if recording else host_start
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
+                if async_op and result is not None and observer.wait_sink is not None:
+                    result = _TracedWork(result, observer)
+                return result
             finally:
                 end = observer.now() if recording else None
                 host_end = time.perf_counter_ns()
@@ -183,6 +190,31 @@ class CollectiveObserver:
     @property
     def installed(self) -> bool:
         return bool(self._originals)
+
+
+class _TracedWork:
+    """The handle of an async collective issued in a traced window: `wait()` is timed (megatron-
+    core's backward issues the TP all-reduce async and waits on it later, inside the backward
+    span); everything else is the handle's own."""
+
+    __slots__ = ("_work", "_observer")
+
+    def __init__(self, work: Any, observer: CollectiveObserver) -> None:
+        self._work = work
+        self._observer = observer
+
+    def wait(self, *args, **kwargs):
+        observer = self._observer
+        if not observer.recording:
+            return self._work.wait(*args, **kwargs)
+        start = observer.now()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            observer.wait_sink(start, observer.now())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 def installed_observer() -> CollectiveObserver | None:

@@ -1,5 +1,7 @@
-"""Fault injection for validating slow-rank detection and dynamic schedules: a rank whose
-compute is FACTOR x slower (`--inject-slowdown`), a P2P link that delivers late (`--inject-link-delay`)."""
+"""Fault injection for validating slow-rank detection and dynamic schedules: a rank whose device
+computes FACTOR x slower (`--inject-slowdown`) or stalls now and then (`--inject-stall`), the extra
+time spent inside each transformer layer's forward and backward; a P2P link that delivers late
+(`--inject-link-delay`)."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +14,7 @@ from typing import Any, Iterator, Sequence
 from megatron.app.config import ConfigError
 from megatron.app.observer import set_observer
 from megatron.app.plugins import Plugin, register_plugin
+from megatron.scan.layers import LayerWatcher, transformer_layers, unwatch_layers, watch_layers
 
 COMPUTE_SPANS = ("forward", "backward")
 
@@ -38,6 +41,35 @@ class Slowdown:
 
 
 @dataclass(frozen=True, slots=True)
+class Stall:
+    """RANK's device is away STALL_MS at a time, at most once every EVERY_MS, from START_ITER on."""
+
+    rank: int
+    stall_ms: float
+    every_ms: float
+    start_iteration: int = 0
+
+    FORM = "RANK:STALL_MS:EVERY_MS[:START_ITER] (e.g. 1:50:500:10: rank 1 stalls 50 ms every 500 ms from iteration 10)"
+
+    @classmethod
+    def parse(cls, text: str) -> "Stall":
+        parts = text.split(":")
+        try:
+            if len(parts) not in (3, 4):
+                raise ValueError
+            rank, stall_ms, every_ms = int(parts[0]), float(parts[1]), float(parts[2])
+            start = int(parts[3]) if len(parts) == 4 else 0
+        except ValueError:
+            raise ConfigError(f"--inject-stall wants {cls.FORM}, got {text!r}") from None
+        problems = [need for need, bad in (("RANK >= 0", rank < 0), ("STALL_MS > 0", not stall_ms > 0),
+                                           ("EVERY_MS > STALL_MS", not every_ms > stall_ms),
+                                           ("START_ITER >= 0", start < 0)) if bad]
+        if problems:
+            raise ConfigError(f"--inject-stall {text}: need {', '.join(problems)}; the form is {cls.FORM}")
+        return cls(rank, stall_ms, every_ms, start)
+
+
+@dataclass(frozen=True, slots=True)
 class LinkDelay:
     src: int
     dst: int
@@ -57,62 +89,149 @@ class LinkDelay:
         return cls(src, dst, delay)
 
 
-class SlowdownObserver:
-    """After each forward/backward of the slowed rank, keeps the CPU busy for (FACTOR-1) x the
-    time the span took, so the rank looks like a proportionally slower device. On CUDA the extra
-    time is spent in matmuls on the device's current stream (a throttled GPU, not an idle one).
+class Burner:
+    """Spends injected time the way a slower device would. On CUDA: matmuls on the device's current
+    stream (a throttled GPU, not an idle one). On CPU: a busy loop, or a sleep when a host runs more
+    ranks than it has cores, where a busy loop would also slow whichever rank shares the core, a
+    fault a real slow device never causes (`mode` says which)."""
 
-    When a host runs more ranks than it has cores, a busy CPU would also slow whichever rank
-    shares its core, a fault a real throttled device never causes; there the extra time is
-    slept instead (`mode` says which), so only the injected rank is slower."""
-
-    def __init__(self, factor: float, start_iteration: int, device: Any, *, oversubscribed: bool = False) -> None:
-        self.factor = factor
-        self.start_iteration = start_iteration
-        self.iteration = 0
+    def __init__(self, device: Any = None, *, oversubscribed: bool = False) -> None:
         self.device = device
-        self.injected_s = 0.0
         self._cuda = getattr(device, "type", "cpu") == "cuda"
         self._sleep = oversubscribed and not self._cuda
+        self._matrix = None
         self.mode = "device matmuls" if self._cuda else ("sleep (ranks outnumber cores)" if self._sleep else "busy CPU")
 
-    @contextlib.contextmanager
-    def span(self, kind: str, **attrs: Any) -> Iterator[None]:
-        if kind not in COMPUTE_SPANS or self.iteration < self.start_iteration:
-            yield
+    def clock(self) -> Any:
+        """A token for `since`: a CUDA event on the current stream, else the host clock."""
+        if self._cuda:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def since(self, token: Any) -> float:
+        """Seconds the device worked since `clock()` returned `token` (waits for it on CUDA)."""
+        if self._cuda:
+            import torch
+
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return token.elapsed_time(end) / 1e3
+        return time.perf_counter() - token
+
+    def burn(self, seconds: float) -> None:
+        if seconds <= 0:
             return
-        if self._cuda:
-            import torch
-
-            torch.cuda.synchronize(self.device)
-        started = time.perf_counter()
-        yield
-        if self._cuda:
-            import torch
-
-            torch.cuda.synchronize(self.device)
-        extra = (time.perf_counter() - started) * (self.factor - 1.0)
-        self._burn(extra)
-        self.injected_s += extra
-
-    def instant(self, kind: str, **attrs: Any) -> None:
-        return None
-
-    def _burn(self, seconds: float) -> None:
         deadline = time.perf_counter() + seconds
         if self._cuda:
             import torch
 
-            a = torch.randn(1024, 1024, device=self.device)
+            if self._matrix is None:
+                self._matrix = torch.randn(1024, 1024, device=self.device)
+            a = self._matrix
             while time.perf_counter() < deadline:
-                a = (a @ a).clamp_(-1, 1)
+                (a @ a).clamp_(-1, 1)
                 torch.cuda.synchronize(self.device)
             return
         if self._sleep:
-            time.sleep(max(0.0, seconds))
+            time.sleep(seconds)
             return
         while time.perf_counter() < deadline:
             pass
+
+
+class DeviceFault(LayerWatcher):
+    """One rank's slower device: every piece of its compute that took T takes FACTOR x T (the
+    slowdowns in force, compounded), and while a stall schedule is in force, the first compute
+    at least EVERY_MS after the last stall began stalls STALL_MS (a time-shared or preempted device).
+
+    The extra time is spent inside the work: after each transformer layer's forward, and inside
+    autograd after each layer's backward (`attach` with the layers), so every traced span around
+    the layer (forward, backward, layer scopes) lengthens as on a slow device. A model with no
+    transformer layers found gets it at the end of each forward/backward span instead, while the
+    span is still open (`attach` with no layers installs this object as an observer)."""
+
+    adds_work = True
+
+    def __init__(self, slowdowns: Sequence[Slowdown] = (), stalls: Sequence[Stall] = (), *,
+                 burner: Burner | None = None) -> None:
+        self.slowdowns = tuple(slowdowns)
+        self.stalls = tuple(stalls)
+        self.burner = burner or Burner()
+        self.start_iteration = min((s.start_iteration for s in (*self.slowdowns, *self.stalls)), default=0)
+        self.factor = 1.0
+        self._stalls_in_force: tuple[int, ...] = ()  # indices into `stalls`
+        self._last_stall: dict[int, float] = {}  # index -> when its last stall began
+        self.layers: list = []
+        self.attached = False
+        self.injected_s = 0.0
+        self.stall_count = 0
+
+    def begin_iteration(self, iteration: int) -> None:
+        self.factor = 1.0
+        for slowdown in self.slowdowns:
+            if iteration >= slowdown.start_iteration:
+                self.factor *= slowdown.factor
+        self._stalls_in_force = tuple(i for i, s in enumerate(self.stalls) if iteration >= s.start_iteration)
+
+    def attach(self, layers: Sequence[Any]) -> None:
+        """Start slowing: per layer when there are layers, else per forward/backward span."""
+        self.layers = list(layers)
+        if self.layers:
+            watch_layers(self.layers, self)
+        else:
+            set_observer(self)
+        self.attached = True
+
+    def detach(self) -> None:
+        if self.layers:
+            unwatch_layers(self.layers, self)
+        self.attached = False
+
+    def compute_done(self, seconds: float) -> None:
+        """`seconds` of compute just finished: spend what a slower device would add to it."""
+        extra = seconds * (self.factor - 1.0)
+        now = time.perf_counter()
+        for index in self._stalls_in_force:
+            stall = self.stalls[index]
+            last = self._last_stall.get(index)
+            if last is None or now - last >= stall.every_ms / 1e3:
+                self._last_stall[index] = now + extra  # it begins once the time queued before it is spent
+                extra += stall.stall_ms / 1e3
+                self.stall_count += 1
+        if extra > 0:
+            self.burner.burn(extra)
+            self.injected_s += extra
+
+    # --- layer hooks -------------------------------------------------------------------
+    def forward_begin(self, layer):
+        return self.burner.clock()
+
+    def forward_end(self, layer, begun):
+        self.compute_done(self.burner.since(begun))
+
+    def backward_begin(self, layer, state, chained):
+        return self.burner.clock()
+
+    def backward_end(self, layer, state, begun):
+        self.compute_done(self.burner.since(begun))
+
+    # --- observer, for models without transformer layers ---------------------------------
+    @contextlib.contextmanager
+    def span(self, kind: str, **attrs: Any) -> Iterator[None]:
+        if kind not in COMPUTE_SPANS or not self.attached or self.layers:
+            yield
+            return
+        begun = self.burner.clock()
+        yield
+        self.compute_done(self.burner.since(begun))
+
+    def instant(self, kind: str, **attrs: Any) -> None:
+        return None
 
 
 def _ranks_outnumber_cores() -> bool:
@@ -184,35 +303,46 @@ class InjectPlugin(Plugin):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("fault injection (MegaScan validation)")
         g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR[:START_ITER]",
-                       help="make RANK's forward/backward FACTOR x slower from iteration START_ITER on; repeatable")
+                       help="make RANK's device FACTOR x slower from iteration START_ITER on: each transformer "
+                            "layer's forward and backward takes FACTOR x as long; repeatable (factors compound)")
+        g.add_argument("--inject-stall", action="append", default=[], metavar="RANK:STALL_MS:EVERY_MS[:START_ITER]",
+                       help="make RANK's device stall STALL_MS whenever it computes and EVERY_MS have passed since "
+                            "its last stall began (a time-shared or preempted device), from iteration START_ITER "
+                            "on; repeatable")
         g.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS",
                        help="deliver P2P messages from global rank SRC to DST MS milliseconds late; repeatable")
 
     def enabled(self, args: argparse.Namespace) -> bool:
-        return bool(args.inject_slowdown or args.inject_link_delay)
+        return bool(args.inject_slowdown or args.inject_stall or args.inject_link_delay)
 
     def configure(self, cfg) -> None:
         self.slowdowns = [Slowdown.parse(t) for t in cfg.args.inject_slowdown]
+        self.stalls = [Stall.parse(t) for t in cfg.args.inject_stall]
         self.delays = [LinkDelay.parse(t) for t in cfg.args.inject_link_delay]
         world = cfg.parallel.world_size
-        bad = [r for r in [s.rank for s in self.slowdowns] + [d.src for d in self.delays] + [d.dst for d in self.delays]
-               if r >= world]
+        named = ([s.rank for s in self.slowdowns] + [s.rank for s in self.stalls]
+                 + [d.src for d in self.delays] + [d.dst for d in self.delays])
+        bad = [r for r in named if r >= world]
         if bad:
             raise ConfigError(f"fault injection names rank(s) {sorted(set(bad))} but world_size is {world}")
-        self.observer = None
+        self.fault = None
 
     def setup(self, ctx) -> None:
-        mine = [s for s in self.slowdowns if s.rank == ctx.rank]
-        if mine:
-            # Several slowdowns of one rank compound.
-            factor = 1.0
-            for s in mine:
-                factor *= s.factor
-            self.observer = SlowdownObserver(factor, min(s.start_iteration for s in mine), ctx.backend.device,
-                                             oversubscribed=_ranks_outnumber_cores())
-            set_observer(self.observer)
-            print(f"[inject] rank {ctx.rank}: compute x{factor:g} from iteration "
-                  f"{self.observer.start_iteration} ({self.observer.mode})", flush=True)
+        slowdowns = [s for s in self.slowdowns if s.rank == ctx.rank]
+        stalls = [s for s in self.stalls if s.rank == ctx.rank]
+        if slowdowns or stalls:
+            self.fault = DeviceFault(slowdowns, stalls,
+                                     burner=Burner(ctx.backend.device, oversubscribed=_ranks_outnumber_cores()))
+            self.layers = transformer_layers(ctx.chunks)
+            where = ("per transformer layer" if self.layers
+                     else "at the end of each forward/backward span: no transformer layers found")
+            mode = self.fault.burner.mode
+            for s in slowdowns:
+                print(f"[inject] rank {ctx.rank}: compute x{s.factor:g} from iteration {s.start_iteration}, "
+                      f"{where} ({mode})", flush=True)
+            for s in stalls:
+                print(f"[inject] rank {ctx.rank}: stalls of {s.stall_ms:g} ms every {s.every_ms:g} ms from "
+                      f"iteration {s.start_iteration}, {where} ({mode})", flush=True)
         incoming = {d.src: d.delay_ms / 1e3 for d in self.delays if d.dst == ctx.rank}
         if incoming and ctx.executor is not None:
             ctx.executor.transport = DelayedTransport(ctx.executor.transport, incoming)
@@ -220,6 +350,15 @@ class InjectPlugin(Plugin):
                   f"{[incoming[s] * 1e3 for s in sorted(incoming)]} ms", flush=True)
 
     def before_iteration(self, ctx, iteration: int) -> None:
-        if self.observer is not None:
-            self.observer.iteration = iteration
+        fault = self.fault
+        if fault is None:
+            return
+        fault.begin_iteration(iteration)
+        # Attached only from START_ITER on, and after every plugin's setup: in the fallback the
+        # fault's observer is then the innermost one, so its time lies inside the others' spans.
+        if not fault.attached and iteration >= fault.start_iteration:
+            fault.attach(self.layers)
 
+    def shutdown(self, ctx) -> None:
+        if self.fault is not None and self.fault.attached:
+            self.fault.detach()

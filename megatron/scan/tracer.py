@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron.scan.collectives import CollectiveObserver
+from megatron.scan.host_counters import IterationCounters
 from megatron.scan.trace_format import (
     FLAG_BACKWARD,
     FLAG_DEVICE_TIME,
@@ -17,6 +18,8 @@ from megatron.scan.trace_format import (
     clock_pair,
 )
 
+# Waiting on the handle of an async collective (not a collective instance itself: group -1).
+COLLECTIVE_WAIT = "collective_wait"
 # Spans timed on the host even on GPU: they are host work (the data iterator).
 HOST_KINDS = frozenset({"data"})
 # Spans that set the (microbatch, chunk) context of collectives and layer scopes inside them.
@@ -86,8 +89,9 @@ class Tracer:
         self.iteration = -1
         self.context: tuple[int, int] = (-1, -1)
         self.events: list[tuple] = []
-        self.collectives = CollectiveObserver(self.mark, self._record_collective)
+        self.collectives = CollectiveObserver(self.mark, self._record_collective, self._record_collective_wait)
         self.layer_scopes = None  # set by the plugin for --trace-granularity full
+        self.counters = IterationCounters()
         self.windows_written = 0
         self._window_first = -1
         self._clock_start: dict[str, int] | None = None
@@ -115,6 +119,11 @@ class Tracer:
         self.events.append((op, start, end, self.iteration, microbatch, chunk, size, -1, gid, seq, -1,
                             flags | self.device_flag, dtype))
 
+    def _record_collective_wait(self, start, end) -> None:
+        microbatch, chunk = self.context
+        self.events.append((COLLECTIVE_WAIT, start, end, self.iteration, microbatch, chunk, -1, -1, -1, -1, -1,
+                            self.device_flag, None))
+
     def record_layer(self, kind: str, start, end, layer: int, context: tuple[int, int]) -> None:
         self.events.append((kind, start, end, self.iteration, context[0], context[1], -1, -1, -1, -1, layer,
                             self.device_flag, None))
@@ -133,15 +142,16 @@ class Tracer:
             if self.layer_scopes is not None:
                 self.layer_scopes.attach()
         self.iteration = iteration
+        self.counters.begin()
 
     def end_iteration(self, iteration: int, metrics: dict[str, Any] | None = None, last: bool = False) -> None:
         """Called after the iteration's optimizer step and logging; closes the window at its last
         iteration or at the end of training."""
         if not self.active:
             return
-        if metrics:
+        if metrics is not None:
             self._metrics.append({"iteration": iteration, "iteration_time": metrics.get("iteration_time"),
-                                  "loss": metrics.get("lm loss")})
+                                  "loss": metrics.get("lm loss"), **self.counters.end()})
         if last or self.schedule.is_window_end(iteration):
             self.flush_window()
 

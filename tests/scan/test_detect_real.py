@@ -1,46 +1,73 @@
-"""Slow-rank detection on real 4-rank CPU training runs with an injected slowdown: a healthy run
-names nobody; a rank slowed 2x is named (DP=1, so only its TP peer and the arrivals tell)."""
+"""Slow-rank detection on real 4-rank CPU training runs: a healthy run names nobody; a rank slowed
+2x by the in-process injector is named (DP=1, so only its TP peer and the arrivals tell); a rank
+put under a cgroup CPU quota from outside the job is named, in a TP=2 x PP=2 and in a PP-only
+layout; a rank with bursty in-process stalls is named."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
-from launch import python, torchrun
+from fault_runs import Scenario, Throttle, run
+from launch import python
 
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--micro-batch-size", "2", "--global-batch-size", "16", "--mock-data", "--vocab-size", "256",
-         "--device", "cpu", "--train-iters", "8", "--trace", "--trace-interval", "1",
-         "--continuous-trace-iterations", "1"]
+PP2, TP2 = ["--pipeline-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"]
+CPU = Path("/sys/fs/cgroup/cpu")
+CGROUP = (CPU / "cpu.cfs_quota_us").exists() and os.access(CPU, os.W_OK)
 
 RUNS = {
-    "healthy_pp2_dp2": (["--pipeline-model-parallel-size", "2"], []),
-    "slow2_tp2_pp2": (["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"],
-                      ["--inject-slowdown", "2:2.0"]),
+    "healthy_pp2_dp2": Scenario(name="healthy", nproc=4, layout=PP2, iterations=8),
+    "slow2_tp2_pp2": Scenario(name="injected", nproc=4, layout=[*TP2, *PP2], inject=["--inject-slowdown", "2:2.0"],
+                              expected=[2], iterations=8),
+    "stalls1_pp2_dp2": Scenario(name="bursty", nproc=4, layout=PP2, inject=["--inject-stall", "1:60:120"],
+                                expected=[1], iterations=10),
+    "throttled2_tp2_pp2": Scenario(name="external", nproc=4, layout=[*TP2, *PP2], expected=[2], iterations=10,
+                                   throttles=[Throttle(rank=2, fraction=0.25)]),
+    "throttled1_pp4": Scenario(name="pp-only", nproc=4, layout=["--pipeline-model-parallel-size", "4"], expected=[1],
+                               iterations=10, throttles=[Throttle(rank=1, fraction=0.25)]),
 }
-EXPECTED = {"healthy_pp2_dp2": [], "slow2_tp2_pp2": [2]}
+COORDINATES = {"slow2_tp2_pp2": "0-1-0", "stalls1_pp2_dp2": "1-0-0", "throttled2_tp2_pp2": "0-1-0",
+               "throttled1_pp4": "0-1-0"}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    result = {}
-    for name, (layout, inject) in RUNS.items():
-        trace_dir = tmp_path_factory.mktemp(name)
-        proc = torchrun("pretrain_gpt.py", [*MODEL, *layout, *inject, "--trace-dir", str(trace_dir)], nproc=4,
-                        timeout=300)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        result[name] = trace_dir
-    return result
+def trace_dirs(tmp_path_factory):
+    return {}
+
+
+def traced(trace_dirs, tmp_path_factory, name: str) -> Path:
+    """Each run once per module (the healthy one serves two tests)."""
+    if name not in trace_dirs:
+        scenario = RUNS[name]
+        if scenario.throttles and not CGROUP:
+            pytest.skip("external throttle needs a writable cgroup v1 cpu hierarchy (root; /sys/fs/cgroup/cpu)")
+        directory = tmp_path_factory.mktemp(name)
+        result = run(scenario, directory, timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:]
+        for out in result.fault_output:
+            assert "[fault] released" in out, out  # the throttle was applied and undone
+        trace_dirs[name] = directory
+    return trace_dirs[name]
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
-def test_real_run_suspects(runs, name):
-    trace_dir = runs[name]
+def test_real_run_suspects(trace_dirs, tmp_path_factory, name):
+    trace_dir = traced(trace_dirs, tmp_path_factory, name)
     proc = python(["scripts/aggregate.py", "-b", str(trace_dir), "-d", "-j", "1"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((trace_dir / "abnormal.json").read_text())
     named = [s["ranks"][0] for s in result["suspects"] if s["kind"] == "rank"]
-    assert named == EXPECTED[name], proc.stdout
+    assert named == RUNS[name].expected, proc.stdout
     lines = (trace_dir / "abnormal.txt").read_text().splitlines()
-    assert lines == [f"{r} {c}" for r, c in zip(named, ["0-1-0"] * len(named))]
+    assert lines == [f"{r} {COORDINATES[name]}" for r in named]
     assert (trace_dir / "report.html").exists()
+    if RUNS[name].throttles:  # the evidence says what a user should look at
+        assert "starved of CPU" in proc.stdout, proc.stdout
+
+
+def test_healthy_run_is_healthy(trace_dirs, tmp_path_factory):
+    trace_dir = traced(trace_dirs, tmp_path_factory, "healthy_pp2_dp2")
+    result = json.loads(python(["-m", "megatron.scan", "detect", str(trace_dir), "--json", "--no-html", "-j", "1"]).stdout)
+    assert result["verdict"] == "healthy" and result["suspects"] == []

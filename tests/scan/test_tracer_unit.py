@@ -73,7 +73,11 @@ def test_window_contents_and_sequence_numbers(world, tmp_path):
     assert int(f.columns["bytes"][rows[0]]) == 32 and f.names[f.columns["dtype"][rows[0]]] == "float32"
     send = names.index("send")
     assert int(f.columns["peer"][send]) == 1 and int(f.columns["flags"][send]) & 1
-    assert f.windows[0]["metrics"] == [{"iteration": 0, "iteration_time": 0.1, "loss": 2.0}]
+    metrics = f.windows[0]["metrics"]
+    assert [{k: m[k] for k in ("iteration", "iteration_time", "loss")} for m in metrics] == \
+        [{"iteration": 0, "iteration_time": 0.1, "loss": 2.0}]
+    # The host counters of the iteration: CPU time used and time spent waiting for a CPU.
+    assert metrics[0]["cpu_ms"] > 0 and metrics[0]["cpu_wait_ms"] >= 0
     # Spans nest: forward inside iteration.
     i, fw = names.index("iteration"), names.index("forward")
     assert f.columns["start_ns"][i] <= f.columns["start_ns"][fw] <= f.columns["end_ns"][fw] <= f.columns["end_ns"][i]
@@ -96,3 +100,30 @@ def test_clock_skew_shifts_wall_and_stretches_monotonic(tmp_path):
     tracer.close({})
     header = json.loads((tmp_path / "r.json").read_text().splitlines()[0])
     assert header["clock_reference"]["wall_ns"] > 0
+
+
+def test_waiting_on_an_async_collective_is_recorded(world, tmp_path):
+    """megatron-core's backward issues the TP all-reduce async and waits on it later; that wait is
+    time spent on peers, recorded as a `collective_wait` span so detection does not count it as work."""
+    path = tmp_path / "async.json"
+    tracer = make_tracer(path, WindowSchedule(1, 1))
+    tracer.collectives.install()
+    try:
+        tracer.begin_iteration(0)
+        with tracer.span("backward", chunk=0, microbatch=2):
+            handle = dist.all_reduce(torch.ones(8), async_op=True)
+            handle.wait()
+            assert handle.is_completed()  # the rest of the handle is the original's
+        tracer.end_iteration(0, {"iteration_time": 0.1})
+        untraced = dist.all_reduce(torch.ones(8), async_op=True)  # outside a window: not wrapped
+        untraced.wait()
+        tracer.close({"reason": "test"})
+    finally:
+        tracer.collectives.uninstall()
+    f = read_rank_file(path)
+    names = [f.names[i] for i in f.columns["name"]]
+    assert names.count("collective_wait") == 1
+    wait, backward = names.index("collective_wait"), names.index("backward")
+    assert int(f.columns["microbatch"][wait]) == 2 and int(f.columns["group"][wait]) == -1
+    assert f.columns["start_ns"][backward] <= f.columns["start_ns"][wait] <= f.columns["end_ns"][wait] \
+        <= f.columns["end_ns"][backward]

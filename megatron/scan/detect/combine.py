@@ -9,6 +9,7 @@ import numpy as np
 
 from megatron.scan.detect.collective import ArrivalStage, arrival_order
 from megatron.scan.detect.compute import ComputeStage, peer_comparison
+from megatron.scan.detect.host import HostStage, host_starvation
 from megatron.scan.detect.model import DetectionInput
 from megatron.scan.detect.p2p import PipelineStage, pipeline_analysis
 
@@ -30,6 +31,7 @@ class Detection:
     compute: ComputeStage
     arrival: ArrivalStage
     pipeline: PipelineStage
+    host: HostStage
     suspects: list[Suspect]
     verdict: str  # "suspects" | "healthy" | "partial" (some ranks not comparable) | "cannot compare"
     notes: list[str] = field(default_factory=list)
@@ -39,26 +41,43 @@ Analyzer = Callable[[DetectionInput], Any]
 
 
 def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival: Analyzer = arrival_order,
-           pipeline: Analyzer = pipeline_analysis) -> Detection:
-    """Run the three analyzers (each swappable) and combine their evidence."""
-    stage1, stage2, stage3 = compute(data), arrival(data), pipeline(data)
-    notes = [*data.warnings, *stage1.notes, *stage2.notes, *stage3.notes]
+           pipeline: Analyzer = pipeline_analysis, host: Analyzer = host_starvation) -> Detection:
+    """Run the four analyzers (each swappable) and combine their evidence."""
+    stage1, stage2, stage3, stage4 = compute(data), arrival(data), pipeline(data), host(data)
+    notes = [*data.warnings, *stage1.notes, *stage2.notes, *stage3.notes, *stage4.notes]
     suspects: list[Suspect] = []
-    for rank, finding in stage1.findings.items():
-        if not finding.flagged:
+    for rank in data.world:
+        finding, arrival_finding = stage1.findings.get(rank), stage2.findings.get(rank)
+        starved = stage4.findings.get(rank)
+        compute_named = finding is not None and finding.flagged
+        # CPU starvation names a rank whose compute is not faster than its peers' (a starved rank
+        # that nonetheless keeps pace is not what slows the job), or that has no peer to compare.
+        host_named = (starved is not None and starved.flagged
+                      and (finding is None or finding.method == "history" or finding.slowdown >= 1.0))
+        if not (compute_named or host_named):
             continue
-        arrival_finding = stage2.findings.get(rank)
         evidence = []
-        if finding.method == "peers":
-            evidence.append(f"compute {finding.slowdown:.2f}x its peers {finding.peers} (median over {finding.instances} "
-                            f"forward/backward instances, {finding.z:.1f} standard errors; {finding.slow_instances} "
-                            f"instances individually slow)")
+        if finding is not None and finding.method == "peers":
+            evidence.append(f"compute {finding.slowdown:.2f}x its peers {finding.peers} (median over "
+                            f"{finding.iterations} iterations of the busy total, {finding.z:.1f} standard errors, "
+                            f"slower in {finding.slower_iterations} of {finding.iterations}; median task "
+                            f"{finding.task_slowdown:.2f}x, {finding.slow_instances} of {finding.instances} tasks "
+                            f"individually slow)")
             ops = ", ".join(f"{o['op'][0].upper()}{o['chunk']}.{o['microbatch']}@it{o['iteration']} x{o['slowdown']}"
                             for o in finding.worst_ops[:3])
-            evidence.append(f"slowest instances: {ops}")
-        else:
+            evidence.append(f"slowest tasks: {ops}")
+        elif finding is not None and finding.method == "layers":
+            evidence.append(f"per-layer compute {finding.slowdown:.2f}x the other ranks of its TP index "
+                            f"{finding.peers} (no same-stage peer; median over {finding.iterations} iterations of the "
+                            f"mean transformer-layer busy time, {finding.z:.1f} standard errors, slower in "
+                            f"{finding.slower_iterations} of {finding.iterations})")
+        elif finding is not None and finding.onset_iteration is not None:
             evidence.append(f"compute {finding.slowdown:.2f}x its own earlier iterations from iteration "
                             f"{finding.onset_iteration} on ({finding.z:.1f} standard errors; no peer to compare with)")
+        if starved is not None and starved.flagged:
+            evidence.append(f"starved of CPU: {starved.ratio:.1f}x the run-queue wait per CPU second of the other ranks "
+                            f"on its host in {starved.starved_iterations} of {starved.iterations} iterations "
+                            f"({100 * starved.wait_share:.0f}% of its runnable time spent waiting for a CPU)")
         corroborated = 0.0
         if arrival_finding is not None and arrival_finding.last > arrival_finding.expected_last:
             evidence.append(f"arrived last at {arrival_finding.last} of {arrival_finding.instances} collectives "
@@ -68,11 +87,14 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
         waited = stage3.producer_wait_ms.get(rank)
         if waited:
             evidence.append(f"pipeline neighbours waited {waited:.1f} ms for its messages")
-        strength = 1.0 - np.exp(-max(finding.z, 0.0) / 6.0)
-        confidence = 0.75 * strength + 0.25 * corroborated
+        compute_strength = 1.0 - np.exp(-max(finding.z, 0.0) / 6.0) if compute_named else 0.0
+        host_strength = 1.0 - np.exp(-max(starved.z, 0.0) / 6.0) if host_named else 0.0
+        confidence = 1.0 - (1.0 - 0.75 * compute_strength) * (1.0 - 0.6 * host_strength) * (1.0 - 0.25 * corroborated)
+        slowdown = finding.slowdown if finding is not None and (compute_named or finding.method != "history") else float("nan")
         suspects.append(Suspect(kind="rank", ranks=[rank], confidence=round(float(confidence), 3),
-                                slowdown=round(finding.slowdown, 3), evidence=evidence,
-                                details={"compute": _plain(finding), "arrival": _plain(arrival_finding)}))
+                                slowdown=round(slowdown, 3), evidence=evidence,
+                                details={"compute": _plain(finding), "arrival": _plain(arrival_finding),
+                                         "host": _plain(starved)}))
     # A rank no analyzer could compare, arriving last far more than chance while not waiting on
     # its pipeline producers, is named with low confidence rather than silently missed.
     for rank in stage1.cannot_compare:
@@ -97,7 +119,7 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
                                 details={"link": _plain(link)}))
     suspects = _drop_tensor_parallel_victims(data, stage2, suspects, notes)
     suspects.sort(key=lambda s: (-s.confidence, s.ranks))
-    comparable = (any(f.method == "peers" for f in stage1.findings.values()) or stage2.instances > 0
+    comparable = (any(f.method != "history" for f in stage1.findings.values()) or stage2.instances > 0
                   or len(stage3.links) > 0)
     if suspects:
         verdict = "suspects"
@@ -109,12 +131,42 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
         if history_only:
             notes.append(f"rank(s) {sorted(history_only)} have no peer and were compared only with their own earlier "
                          f"iterations: a slowdown present from the first traced iteration cannot be seen")
-        verdict = "partial" if stage1.cannot_compare or history_only else "healthy"
+        trend = job_slowdown_onset(data)
+        if trend is not None:
+            notes.append(f"the job slowed {trend[1]:.2f}x from iteration {trend[0]} on (median iteration time), "
+                         f"but no rank or link could be named as its source")
+        verdict = "partial" if stage1.cannot_compare or history_only or trend is not None else "healthy"
     if verdict == "cannot compare":
         notes.append("cannot compare: no rank has a peer, a collective partner, a pipeline link or enough history "
                      "(a single rank, DP=TP=PP=1, or traces without compute spans and collectives)")
-    return Detection(data=data, compute=stage1, arrival=stage2, pipeline=stage3, suspects=suspects, verdict=verdict,
-                     notes=notes)
+    return Detection(data=data, compute=stage1, arrival=stage2, pipeline=stage3, host=stage4, suspects=suspects,
+                     verdict=verdict, notes=notes)
+
+
+def job_slowdown_onset(data: DetectionInput, *, min_slowdown: float = 1.2, z_min: float = 4.0,
+                       min_side: int = 3) -> tuple[int, float] | None:
+    """(first slow iteration, factor) when the job's iteration time steps up materially and
+    significantly within the traced iterations; None otherwise (or too few iterations)."""
+    t = data.iteration_time
+    if not len(t["rank"]):
+        return None
+    iterations = np.unique(t["iteration"])
+    if len(iterations) < 2 * min_side:
+        return None
+    duration = (t["end"] - t["start"]).astype(np.float64)
+    # The job's time per iteration: the slowest rank's iteration span (everybody waits for it).
+    per_iteration = np.log(np.array([max(duration[t["iteration"] == i].max(), 1.0) for i in iterations]))
+    noise = max(1.4826 * float(np.median(np.abs(np.diff(per_iteration)))) / np.sqrt(2.0), 0.02)
+    best = None
+    for split in range(min_side, len(iterations) - min_side + 1):
+        shift = float(np.median(per_iteration[split:]) - np.median(per_iteration[:split]))
+        z = shift / (1.2533 * noise * np.sqrt(1 / split + 1 / (len(iterations) - split)))
+        if best is None or z > best[0]:
+            best = (z, split, shift)
+    z, split, shift = best
+    if z > z_min and np.exp(shift) >= min_slowdown:
+        return int(iterations[split]), float(np.exp(shift))
+    return None
 
 
 def _drop_tensor_parallel_victims(data: DetectionInput, stage2: ArrivalStage, suspects: list[Suspect],

@@ -1,5 +1,5 @@
 """Stage 1, peer comparison of compute: ranks of one pipeline stage run the same kernels on the
-same shapes, so per task instance each rank's busy time is compared with its peers' (robust
+same shapes, so per iteration each rank's busy time is compared with its peers' (robust
 statistics on log time); ranks without peers are compared with their own earlier iterations."""
 from __future__ import annotations
 
@@ -15,11 +15,14 @@ _MAD = 1.4826  # MAD -> standard deviation for normal noise
 @dataclass(kw_only=True)
 class ComputeFinding:
     rank: int
-    method: str  # "peers" | "history"
+    method: str  # "peers" (same stage) | "layers" (same TP index, per layer) | "history"
     peers: list[int]
     instances: int
-    slow_instances: int
-    slowdown: float  # median busy time / peers' median busy time (or / own baseline)
+    slow_instances: int  # task instances individually past the noise
+    iterations: int
+    slower_iterations: int  # iterations whose busy total is above the peers' (or the baseline)
+    slowdown: float  # median over iterations of busy total / peers' (or / own baseline)
+    task_slowdown: float  # median over task instances of busy / peers' busy
     z: float  # median log ratio in standard errors
     flagged: bool
     onset_iteration: int | None = None
@@ -34,6 +37,7 @@ class ComputeFinding:
 class ComputeStage:
     findings: dict[int, ComputeFinding]
     noise: float  # robust std of one instance's log busy time
+    iteration_noise: float = float("nan")  # robust std of one per-iteration log ratio
     cannot_compare: list[int]  # ranks with neither peers nor enough history
     notes: list[str] = field(default_factory=list)
 
@@ -51,13 +55,16 @@ def _noise(log_busy: np.ndarray, keys: np.ndarray) -> float:
 
 
 def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: float = 3.5,
-                    min_slowdown: float = 1.1, min_share: float = 0.0) -> ComputeStage:
-    """Per task instance (iteration, kind, chunk, microbatch) and stage, each rank's log busy time
-    minus the median of its peers'. An instance is slow past `z_instance` noise; a rank is flagged
-    when its median ratio is significant (`z_rank` standard errors) and above `min_slowdown`
-    (and, optionally, a `min_share` of its instances are slow; on a shared, noisy host single
-    instances are too noisy for that to be required). The floor keeps steady sub-percent differences of
-    healthy hardware, which many instances make 'significant', from becoming alarms."""
+                    min_slowdown: float = 1.2, min_consistency: float = 0.7) -> ComputeStage:
+    """Ranks of one stage compared per iteration: each rank's total busy time in an iteration
+    against the median of its peers' totals in the same iteration. Totals, not per-task medians,
+    because real slowness is often bursty (a throttled or time-shared device stalls some tasks for
+    long and leaves others alone): the median task barely moves while the iteration does. A rank
+    is flagged when its median per-iteration ratio is `z_rank` standard errors above zero, at
+    least `min_slowdown`, and above zero in `min_consistency` of its iterations (one burst of host
+    contention is not a slow rank). Per-task ratios past `z_instance` noise widths are counted and
+    the slowest listed as evidence. The floor keeps steady few-percent differences of healthy
+    hardware, which many iterations make 'significant', from becoming alarms."""
     t = data.compute
     findings: dict[int, ComputeFinding] = {}
     cannot: list[int] = []
@@ -69,6 +76,7 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
     noise = _noise(log_busy, np.stack([t["rank"], t["kind"], t["chunk"]], axis=1))
     pair_noise = noise * np.sqrt(2.0)
     stage_of = np.array([data.roles[int(r)].pp for r in t["rank"]], dtype=np.int64)
+    compared: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, list[int], np.ndarray]] = {}
     for stage in np.unique(stage_of):
         in_stage = stage_of == stage
         ranks = np.unique(t["rank"][in_stage])
@@ -78,22 +86,38 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
         keys, inverse = np.unique(key, axis=0, return_inverse=True)
         inverse = inverse.reshape(-1)
         col = np.searchsorted(ranks, t["rank"][in_stage])
-        matrix = np.full((len(keys), len(ranks)), np.nan)  # [instance, rank]
+        matrix = np.full((len(keys), len(ranks)), np.nan)  # [task instance, rank] log busy
         matrix[inverse, col] = log_busy[in_stage]
+        shared = ~np.isnan(matrix).any(axis=1)  # instances every rank of the stage ran
+        iterations = np.unique(keys[shared, 0])
+        totals = np.array([np.log(np.exp(matrix[shared & (keys[:, 0] == i)]).sum(axis=0)) for i in iterations])
         for j, rank in enumerate(ranks):
+            peers = [int(r) for r in ranks if r != rank]
+            per_iteration = totals[:, j] - np.median(np.delete(totals, j, axis=1), axis=1) if len(iterations) \
+                else np.zeros(0)
             others = np.delete(matrix, j, axis=1)
             valid = ~np.isnan(matrix[:, j]) & (np.sum(~np.isnan(others), axis=1) > 0)
-            if not valid.any():
-                continue
-            reference = np.nanmedian(others[valid], axis=1)
-            ratio = matrix[valid, j] - reference
-            findings[int(rank)] = _finding(int(rank), "peers", [int(r) for r in ranks if r != rank], ratio, keys[valid],
-                                           pair_noise, z_instance, z_rank, min_slowdown, min_share)
+            instance_ratio = matrix[valid, j] - np.nanmedian(others[valid], axis=1) if valid.any() else np.zeros(0)
+            compared[int(rank)] = (per_iteration, iterations, instance_ratio, peers, keys[valid])
+    # Noise of one per-iteration ratio: the median over ranks of each rank's own robust spread, so
+    # that neither a slow rank's bursts nor its mirror image in a two-rank stage set the scale.
+    spreads = [_MAD * float(np.median(np.abs(r - np.median(r)))) for r, *_ in compared.values() if len(r) >= 3]
+    iteration_noise = max(float(np.median(spreads)) if spreads else 0.1, 0.02)
+    for rank, (per_iteration, iterations, instance_ratio, peers, keys) in compared.items():
+        if not len(per_iteration):
+            continue
+        findings[rank] = _finding(rank, peers, per_iteration, iteration_noise, instance_ratio, keys, pair_noise,
+                                  z_instance, z_rank, min_slowdown, min_consistency)
+    # Ranks with no same-stage peer (PP-only layouts): with per-layer spans, every transformer
+    # layer of any stage runs the same kernels, so ranks of one TP index compare layer by layer.
+    lonely = [r for r in data.world if r not in findings]
+    if lonely and len(data.layers["rank"]):
+        findings.update(_layer_peers(data, lonely, z_rank, min_slowdown, min_consistency))
     for rank in data.world:
         if rank in findings:
             continue
         mine = t["rank"] == rank
-        history = _history(rank, t["iteration"][mine], log_busy[mine], noise, z_rank, min_slowdown)
+        history = _history(rank, t["iteration"][mine], t["busy"][mine], z_rank, min_slowdown)
         if history is None:
             cannot.append(rank)
         else:
@@ -101,53 +125,90 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
     if cannot:
         notes.append(f"rank(s) {cannot} have no peer of the same stage and too few iterations to compare with "
                      f"their own history: their compute cannot be compared")
-    return ComputeStage(findings=findings, noise=noise, cannot_compare=cannot, notes=notes)
+    return ComputeStage(findings=findings, noise=noise, iteration_noise=iteration_noise, cannot_compare=cannot,
+                        notes=notes)
 
 
-def _finding(rank: int, method: str, peers: list[int], ratio: np.ndarray, keys: np.ndarray, pair_noise: float,
-             z_instance: float, z_rank: float, min_slowdown: float, min_share: float) -> ComputeFinding:
-    median = float(np.median(ratio))
-    # The pooled within-rank noise, not this rank's own spread: a slow rank's ratios are wider
-    # (its extra work is itself noisy) and would hide it. sqrt(2): two noisy sides per ratio.
-    spread = pair_noise
-    slow = ratio > max(z_instance * spread, np.log(1.02))
-    standard_error = 1.2533 * spread / np.sqrt(len(ratio))
-    z = median / standard_error
-    # Instances of one iteration share the host's load, so they are not independent: with enough
-    # iterations a slow rank must also be slower in most of them, not in one burst of contention.
-    iterations = np.unique(keys[:, 0])
-    consistent = True
-    if len(iterations) >= 4:
-        per_iteration = np.array([np.median(ratio[keys[:, 0] == i]) for i in iterations])
-        consistent = bool(np.mean(per_iteration > 0) >= 0.75)
-    flagged = bool(z > z_rank and np.exp(median) >= min_slowdown and slow.mean() >= min_share and consistent)
-    worst = np.argsort(-ratio)[:5]
+def _layer_peers(data: DetectionInput, lonely: list[int], z_rank: float, min_slowdown: float,
+                 min_consistency: float) -> dict[int, ComputeFinding]:
+    """Per iteration, each rank's mean busy time per layer call against the median of the other
+    ranks of its TP index (all stages); findings for the `lonely` ranks only."""
+    t = data.layers
+    tp_of = {r: role.tp for r, role in data.roles.items()}
+    findings: dict[int, ComputeFinding] = {}
+    groups: dict[int, list[int]] = {}
+    for rank in np.unique(t["rank"]).astype(int):
+        groups.setdefault(tp_of[int(rank)], []).append(int(rank))
+    per_rank: dict[int, tuple[np.ndarray, list[int]]] = {}
+    for ranks in groups.values():
+        if len(ranks) < 2:
+            continue
+        iterations = np.unique(t["iteration"][np.isin(t["rank"], ranks)])
+        matrix = np.full((len(iterations), len(ranks)), np.nan)  # [iteration, rank] log mean layer busy
+        for j, rank in enumerate(ranks):
+            for i, it in enumerate(iterations):
+                mine = (t["rank"] == rank) & (t["iteration"] == it)
+                if mine.any():
+                    matrix[i, j] = np.log(max(float(t["busy"][mine].mean()), 1.0))
+        for j, rank in enumerate(ranks):
+            others = np.delete(matrix, j, axis=1)
+            valid = ~np.isnan(matrix[:, j]) & (np.sum(~np.isnan(others), axis=1) > 0)
+            if valid.sum() >= 2:
+                per_rank[rank] = (matrix[valid, j] - np.nanmedian(others[valid], axis=1),
+                                  [r for r in ranks if r != rank])
+    spreads = [_MAD * float(np.median(np.abs(r - np.median(r)))) for r, _ in per_rank.values() if len(r) >= 3]
+    noise = max(float(np.median(spreads)) if spreads else 0.1, 0.02)
+    for rank in lonely:
+        if rank not in per_rank:
+            continue
+        ratio, peers = per_rank[rank]
+        finding = _finding(rank, peers, ratio, noise, np.zeros(0), np.zeros((0, 4), dtype=np.int64), 1.0, 2.0,
+                           z_rank, min_slowdown, min_consistency)
+        finding.method = "layers"
+        findings[rank] = finding
+    return findings
+
+
+def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_noise: float,
+             instance_ratio: np.ndarray, keys: np.ndarray, pair_noise: float, z_instance: float, z_rank: float,
+             min_slowdown: float, min_consistency: float) -> ComputeFinding:
+    median = float(np.median(per_iteration))
+    z = median / (1.2533 * iteration_noise / np.sqrt(len(per_iteration)))
+    consistent = bool(np.mean(per_iteration > 0) >= min_consistency) if len(per_iteration) >= 4 else True
+    flagged = bool(z > z_rank and np.exp(median) >= min_slowdown and consistent)
+    slow = instance_ratio > max(z_instance * pair_noise, np.log(1.02))
+    worst = np.argsort(-instance_ratio)[:5]
     worst_ops = [{"iteration": int(keys[i, 0]), "op": "backward" if keys[i, 1] else "forward", "chunk": int(keys[i, 2]),
-                  "microbatch": int(keys[i, 3]), "slowdown": round(float(np.exp(ratio[i])), 3)} for i in worst]
-    return ComputeFinding(rank=rank, method=method, peers=peers, instances=len(ratio), slow_instances=int(slow.sum()),
-                          slowdown=float(np.exp(median)), z=float(z), flagged=flagged, worst_ops=worst_ops)
+                  "microbatch": int(keys[i, 3]), "slowdown": round(float(np.exp(instance_ratio[i])), 3)} for i in worst]
+    return ComputeFinding(rank=rank, method="peers", peers=peers, instances=len(instance_ratio),
+                          slow_instances=int(slow.sum()), iterations=len(per_iteration),
+                          slower_iterations=int(np.sum(per_iteration > 0)), slowdown=float(np.exp(median)),
+                          task_slowdown=float(np.exp(np.median(instance_ratio))) if len(instance_ratio) else 1.0,
+                          z=float(z), flagged=flagged, worst_ops=worst_ops)
 
 
-def _history(rank: int, iteration: np.ndarray, log_busy: np.ndarray, noise: float, z_rank: float,
+def _history(rank: int, iteration: np.ndarray, busy: np.ndarray, z_rank: float,
              min_slowdown: float) -> ComputeFinding | None:
-    """A rank without peers against itself: the best split of its iterations into before/after,
-    flagged when the later part is significantly and materially slower (an onset)."""
+    """A rank without peers against itself: the best split of its per-iteration busy totals into
+    before/after, flagged when the later part is significantly and materially slower (an onset).
+    Noise is the robust spread of successive differences, which one step cannot inflate."""
     iterations = np.unique(iteration)
-    if len(iterations) < 3:
+    if len(iterations) < 4:
         return None
-    per_iteration = np.array([np.median(log_busy[iteration == i]) for i in iterations])
-    counts = np.array([np.sum(iteration == i) for i in iterations])
+    per_iteration = np.log(np.array([max(float(busy[iteration == i].sum()), 1.0) for i in iterations]))
+    noise = max(_MAD * float(np.median(np.abs(np.diff(per_iteration)))) / np.sqrt(2.0), 0.02)
     best: tuple[float, int] | None = None
     for split in range(1, len(iterations)):
         before, after = per_iteration[:split], per_iteration[split:]
         shift = float(np.median(after) - np.median(before))
-        error = 1.2533 * noise * np.sqrt(1 / counts[:split].sum() + 1 / counts[split:].sum())
-        z = shift / error
+        z = shift / (1.2533 * noise * np.sqrt(1 / len(before) + 1 / len(after)))
         if best is None or z > best[0]:
             best = (z, split)
     z, split = best
     shift = float(np.median(per_iteration[split:]) - np.median(per_iteration[:split]))
-    flagged = bool(z > z_rank and np.exp(shift) >= min_slowdown)
-    return ComputeFinding(rank=rank, method="history", peers=[], instances=int(counts[split:].sum()),
-                          slow_instances=int(counts[split:].sum()) if flagged else 0, slowdown=float(np.exp(shift)),
-                          z=float(z), flagged=flagged, onset_iteration=int(iterations[split]) if flagged else None)
+    flagged = bool(z > z_rank and np.exp(shift) >= min_slowdown and len(iterations) - split >= 2)
+    return ComputeFinding(rank=rank, method="history", peers=[], instances=int(np.isin(iteration, iterations[split:]).sum()),
+                          slow_instances=0, iterations=len(iterations) - split,
+                          slower_iterations=int(np.sum(per_iteration[split:] > np.median(per_iteration[:split]))),
+                          slowdown=float(np.exp(shift)), task_slowdown=float("nan"), z=float(z), flagged=flagged,
+                          onset_iteration=int(iterations[split]) if flagged else None)

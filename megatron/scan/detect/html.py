@@ -73,8 +73,9 @@ def _suspects(detection: Detection) -> str:
         if s.what_if:
             what_if = (f"<li><b>what-if</b>: {s.what_if['measured_ms']:.1f} ms &rarr; {s.what_if['healthy_ms']:.1f} ms "
                        f"per iteration if healthy: it costs the job {s.what_if['cost_percent']:.1f}%</li>")
+        factor = f"{s.slowdown:.2f}x" if s.slowdown == s.slowdown else "slowdown not measurable"
         items.append(f"<li><b>{html.escape(title) if s.kind == 'rank' else title}</b> confidence {s.confidence:.2f}, "
-                     f"{s.slowdown:.2f}x<ul>{evidence}{what_if}</ul></li>")
+                     f"{factor}<ul>{evidence}{what_if}</ul></li>")
     return f"<ol>{''.join(items)}</ol>"
 
 

@@ -20,6 +20,7 @@ class RankRole:
     dp: int
     pp: int
     tp: int
+    host: str = ""
 
     @property
     def coordinates(self) -> str:
@@ -40,6 +41,11 @@ class DetectionInput:
     # matched P2P messages
     p2p: dict[str, np.ndarray]  # src, dst, iteration, backward, send_start, send_end, recv_start, recv_end, bytes
     iteration_time: dict[str, np.ndarray]  # rank, iteration, start, end
+    # per transformer layer call (--trace-granularity full): busy = span minus the collectives and
+    # async-collective waits inside it
+    layers: dict[str, np.ndarray] = field(default_factory=lambda: _empty(LAYER_COLUMNS))
+    # per traced iteration, where the tracer could read them: CPU time and run-queue wait (ms)
+    host: dict[str, np.ndarray] = field(default_factory=lambda: _empty_float(HOST_COLUMNS))
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -59,13 +65,50 @@ COMPUTE_COLUMNS = ("rank", "iteration", "kind", "chunk", "microbatch", "start", 
 COLLECTIVE_COLUMNS = ("instance", "rank", "arrive", "end", "group_size", "kind")
 P2P_COLUMNS = ("src", "dst", "iteration", "backward", "send_start", "send_end", "recv_start", "recv_end", "bytes")
 ITERATION_COLUMNS = ("rank", "iteration", "start", "end")
+HOST_COLUMNS = ("rank", "iteration", "cpu_ms", "cpu_wait_ms")
+LAYER_COLUMNS = ("rank", "iteration", "kind", "layer", "busy")
+
+
+def nested_busy(rank: np.ndarray, start: np.ndarray, end: np.ndarray, rows: np.ndarray,
+                waits: np.ndarray) -> np.ndarray:
+    """Duration of each span in `rows` minus its overlap with the `waits` rows of the same rank."""
+    busy = (end[rows] - start[rows]).astype(np.int64)
+    for r in np.unique(rank[rows]):
+        mine = np.flatnonzero(rank[rows] == r)
+        w = waits[rank[waits] == r]
+        if not len(w):
+            continue
+        order = np.argsort(start[w])
+        w_start, w_end = start[w][order], end[w][order]
+        for i in mine:
+            row = rows[i]
+            lo, hi = np.searchsorted(w_start, start[row], "left"), np.searchsorted(w_start, end[row], "left")
+            overlap = np.clip(np.minimum(w_end[lo:hi], end[row]) - w_start[lo:hi], 0, None).sum()
+            busy[i] = max(int(busy[i] - overlap), 1)
+    return busy
+
+
+def _empty_float(names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    return {n: np.zeros(0, dtype=np.float64) for n in names}
+
+
+def host_table(windows: dict[int, list[dict]]) -> dict[str, np.ndarray]:
+    """The per-iteration host counters the tracer put in each window's metrics."""
+    rows = [(rank, m["iteration"], m["cpu_ms"], m["cpu_wait_ms"]) for rank, ws in windows.items() for w in ws
+            for m in w.get("metrics") or [] if "cpu_wait_ms" in m and "iteration" in m]
+    if not rows:
+        return _empty_float(HOST_COLUMNS)
+    table = np.array(rows, dtype=np.float64)
+    return {name: table[:, i] for i, name in enumerate(HOST_COLUMNS)}
 
 
 def busy_compute(rank: np.ndarray, name: np.ndarray, start: np.ndarray, end: np.ndarray, flags: np.ndarray,
                  group: np.ndarray, compute_ids: np.ndarray, wait_ids: np.ndarray,
-                 not_before: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 not_before: np.ndarray | None = None,
+                 inner_wait_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Busy time of every compute span: from its start to the next non-nested event of the same rank,
-    minus the synchronous collectives inside. The trailing gap counts because work the tracer does
+    minus the synchronous collectives and the waits on async collectives (`inner_wait_ids`)
+    inside. The trailing gap counts because work the tracer does
     not see (an interfering kernel, a slowdown injected after the span) still delays the rank;
     collectives are subtracted because a rank waiting for a slow TP peer is not slow.
     `not_before` (per compute row, same order as the returned rows) moves a span's start later:
@@ -77,6 +120,8 @@ def busy_compute(rank: np.ndarray, name: np.ndarray, start: np.ndarray, end: np.
     instant = (flags & FLAG_INSTANT) > 0
     boundary = np.isin(name, np.concatenate([compute_ids, wait_ids])) & ~instant
     synchronous_collective = (group >= 0) & ((flags & FLAG_ASYNC) == 0) & ~instant
+    if inner_wait_ids is not None and len(inner_wait_ids):
+        synchronous_collective |= np.isin(name, inner_wait_ids) & ~instant
     for r in np.unique(rank[rows]):
         mine = rows[rank[rows] == r]
         b = np.flatnonzero((rank == r) & boundary)
@@ -115,7 +160,7 @@ def from_aggregation(aggregation: Any) -> DetectionInput:
     """Tables from an `Aggregation` (loaded, matched and clock-aligned trace directory)."""
     trace, collectives, p2p = aggregation.trace, aggregation.collectives, aggregation.p2p
     c = trace.columns
-    roles = {r: RankRole(rank=r, **{k: int(h["coordinates"][k]) for k in ("dp", "pp", "tp")})
+    roles = {r: RankRole(rank=r, host=str(h.get("host", "")), **{k: int(h["coordinates"][k]) for k in ("dp", "pp", "tp")})
              for r, h in trace.ranks.items()}
     first = next(iter(trace.ranks.values()))
     sizes = {k: int(first["sizes"][k]) for k in ("dp", "pp", "tp")}
@@ -123,7 +168,8 @@ def from_aggregation(aggregation: Any) -> DetectionInput:
     wait_ids = trace.ids(WAIT_KINDS)
     rows = np.flatnonzero(np.isin(c["name"], compute_ids))
     rows, busy = busy_compute(c["rank"], c["name"], c["start"], c["end"], c["flags"], c["group"], compute_ids,
-                              wait_ids, not_before=_tensor_parallel_start(c, rows, roles))
+                              wait_ids, not_before=_tensor_parallel_start(c, rows, roles),
+                              inner_wait_ids=trace.ids(("collective_wait",)))
     backward_id = trace.name_id("backward")
     compute = {"rank": c["rank"][rows].astype(np.int64), "iteration": c["iteration"][rows].astype(np.int64),
                "kind": (c["name"][rows] == backward_id).astype(np.int64), "chunk": c["chunk"][rows].astype(np.int64),
@@ -144,8 +190,16 @@ def from_aggregation(aggregation: Any) -> DetectionInput:
                 "backward": ((c["flags"][r] & FLAG_BACKWARD) > 0).astype(np.int64),
                 "send_start": c["start"][s], "send_end": c["end"][s], "recv_start": c["start"][r],
                 "recv_end": c["end"][r], "bytes": c["bytes"][r].astype(np.int64)}
+    layer_rows = np.flatnonzero(np.isin(c["name"], trace.ids(("layer_forward", "layer_backward"))))
+    waits = np.flatnonzero((((c["group"] >= 0) & ((c["flags"] & FLAG_ASYNC) == 0))
+                            | np.isin(c["name"], trace.ids(("collective_wait",)))) & ((c["flags"] & FLAG_INSTANT) == 0))
+    layers = {"rank": c["rank"][layer_rows].astype(np.int64), "iteration": c["iteration"][layer_rows].astype(np.int64),
+              "kind": (c["name"][layer_rows] == trace.name_id("layer_backward")).astype(np.int64),
+              "layer": c["layer"][layer_rows].astype(np.int64),
+              "busy": nested_busy(c["rank"], c["start"], c["end"], layer_rows, waits)}
     it = np.flatnonzero(c["name"] == trace.name_id("iteration")) if trace.name_id("iteration") >= 0 else np.zeros(0, int)
     iterations = {"rank": c["rank"][it].astype(np.int64), "iteration": c["iteration"][it].astype(np.int64),
                   "start": c["start"][it], "end": c["end"][it]}
     return DetectionInput(roles=roles, sizes=sizes, compute=compute, collectives=coll, group_kinds=kinds, p2p=messages,
-                          iteration_time=iterations, warnings=list(trace.warnings))
+                          iteration_time=iterations, layers=layers, host=host_table(getattr(trace, "windows", {}) or {}),
+                          warnings=list(trace.warnings))

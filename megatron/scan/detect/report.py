@@ -33,6 +33,8 @@ def as_dict(detection: Detection) -> dict[str, Any]:
             "pipeline": {"links": [_plain(link) for link in detection.pipeline.links.values()],
                          "producer_wait_ms": _plain(detection.pipeline.producer_wait_ms),
                          "receive_wait_ms": _plain(detection.pipeline.receive_wait_ms)},
+            "host": {"noise": _plain(detection.host.noise),
+                     "ranks": {str(r): _plain(f) for r, f in sorted(detection.host.findings.items())}},
         },
         "notes": detection.notes,
     }
@@ -57,7 +59,8 @@ def text_report(detection: Detection) -> str:
                      if detection.verdict == "healthy" else "no suspect could be named")
     for i, s in enumerate(detection.suspects, 1):
         what = data.label(s.ranks[0]) if s.kind == "rank" else f"link {s.ranks[0]} -> {s.ranks[1]}"
-        lines.append(f"{i}. {what}: confidence {s.confidence:.2f}, {s.slowdown:.2f}x")
+        factor = f"{s.slowdown:.2f}x" if s.slowdown == s.slowdown else "slowdown not measurable"
+        lines.append(f"{i}. {what}: confidence {s.confidence:.2f}, {factor}")
         lines.extend(f"     - {e}" for e in s.evidence)
         if s.what_if:
             lines.append(f"     - what-if: iteration {s.what_if['measured_ms']:.1f} ms -> {s.what_if['healthy_ms']:.1f} ms "

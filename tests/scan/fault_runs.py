@@ -1,0 +1,132 @@
+"""Real traced CPU training runs with a fault applied the way a user would meet it: an external
+cgroup throttle or SIGSTOP through `python -m megatron.scan fault` (started at an iteration of the
+running job, found by its RANK), or the in-process injector's flags. Shared by the detection tests
+and `benchmarks/detection_accuracy.py`."""
+from __future__ import annotations
+
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launch import ROOT, env, free_port
+
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+         "--micro-batch-size", "2", "--global-batch-size", "16", "--mock-data", "--vocab-size", "256",
+         "--device", "cpu", "--trace", "--trace-interval", "1", "--continuous-trace-iterations", "1"]
+ITERATION = re.compile(r" iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Throttle:
+    """`fault throttle --rank RANK --cpu-fraction FRACTION`, applied once the job has printed
+    iteration ONSET (0: as soon as the rank's process exists)."""
+
+    rank: int
+    fraction: float
+    onset: int = 0
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "megatron.scan", "fault", "throttle", "--rank", str(self.rank),
+                "--cpu-fraction", str(self.fraction), "--job", f":{port}", "--wait", "120"]
+
+
+@dataclass(kw_only=True)
+class Scenario:
+    name: str
+    nproc: int
+    layout: list[str]
+    expected: list[int] = field(default_factory=list)  # ranks a correct detector names
+    expected_links: list[tuple[int, int]] = field(default_factory=list)
+    inject: list[str] = field(default_factory=list)  # in-process injector flags
+    throttles: list[Throttle] = field(default_factory=list)
+    iterations: int = 12
+    granularity: str = "coarse"  # --trace-granularity (full adds per-layer spans)
+    healthy_of: str = ""  # name of the layout's healthy scenario (job-level slowdown baseline)
+
+    @property
+    def healthy(self) -> bool:
+        return not (self.expected or self.expected_links or self.inject or self.throttles)
+
+    @property
+    def onset(self) -> int:
+        """First iteration the fault acts on (0 when from the start)."""
+        onsets = [t.onset for t in self.throttles]
+        for i, flag in enumerate(self.inject):
+            if flag in ("--inject-slowdown", "--inject-stall"):
+                parts = self.inject[i + 1].split(":")
+                onsets.append(int(parts[-1]) if len(parts) == (3 if flag == "--inject-slowdown" else 4) else 0)
+        return min(onsets, default=0)
+
+
+@dataclass(kw_only=True)
+class RunResult:
+    returncode: int
+    iteration_ms: dict[int, float]
+    stdout: str
+    fault_output: list[str]
+
+    def median_ms(self, first: int = 2) -> float:
+        """Median iteration time from iteration `first` on (start-up excluded)."""
+        times = [ms for it, ms in self.iteration_ms.items() if it >= first]
+        return statistics.median(times) if times else float("nan")
+
+
+def run(scenario: Scenario, trace_dir: Path, *, timeout: float = 600) -> RunResult:
+    """Train with tracing into `trace_dir`; external faults are applied from outside by the fault
+    CLI and released when the job ends (or on any error here)."""
+    port = free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(scenario.nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "pretrain_gpt.py", *MODEL,
+               "--train-iters", str(scenario.iterations), "--trace-granularity", scenario.granularity,
+               *scenario.layout, *scenario.inject,
+               "--trace-dir", str(trace_dir)]
+    job = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    faults: list[subprocess.Popen] = []
+    lines: list[str] = []
+    iteration_ms: dict[int, float] = {}
+    pending = sorted(scenario.throttles, key=lambda t: t.onset)
+
+    def start_due(iteration: int) -> None:
+        while pending and pending[0].onset <= iteration:
+            faults.append(subprocess.Popen(pending.pop(0).command(port), cwd=ROOT, env=env(),
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+
+    timer = threading.Timer(timeout, job.kill)
+    timer.start()
+    try:
+        start_due(0)
+        for line in job.stdout:
+            lines.append(line)
+            match = ITERATION.search(line)
+            if match:
+                iteration_ms[int(match.group(1))] = float(match.group(2))
+                start_due(int(match.group(1)))
+        job.wait()
+    finally:
+        timer.cancel()
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        fault_output = []
+        for fault in faults:
+            if fault.poll() is None:
+                fault.send_signal(signal.SIGINT)
+            try:
+                out, _ = fault.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                fault.kill()
+                out, _ = fault.communicate()
+            fault_output.append(out)
+    return RunResult(returncode=job.returncode, iteration_ms=iteration_ms, stdout="".join(lines),
+                     fault_output=fault_output)
+
+
+def wait_quiet(seconds: float = 0.5) -> None:
+    """A short pause between runs, so that one job's exit does not overlap the next one's start."""
+    time.sleep(seconds)

@@ -1,0 +1,108 @@
+"""Detector pieces on hand-made tables: CPU starvation from the host counters, the job-level
+slowdown that turns 'no suspect' into `partial`, and per-iteration totals that see bursty
+slowness the median task does not."""
+from __future__ import annotations
+
+import numpy as np
+
+from megatron.scan.detect.combine import detect, job_slowdown_onset
+from megatron.scan.detect.compute import peer_comparison
+from megatron.scan.detect.host import host_starvation
+from megatron.scan.detect.model import DetectionInput, RankRole
+
+RNG = np.random.default_rng(7)
+
+
+def table(rows: list[tuple], names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    array = np.array(rows, dtype=np.float64) if rows else np.zeros((0, len(names)))
+    return {n: array[:, i] for i, n in enumerate(names)}
+
+
+def data(*, world: int = 4, dp: int = 4, pp: int = 1, compute=None, host=None, iterations=None) -> DetectionInput:
+    roles = {r: RankRole(rank=r, dp=r % dp, pp=r // dp, tp=0, host="node0") for r in range(world)}
+    empty = lambda names: {n: np.zeros(0, dtype=np.int64) for n in names}  # noqa: E731
+    return DetectionInput(
+        roles=roles, sizes={"dp": dp, "pp": pp, "tp": 1},
+        compute=compute or empty(("rank", "iteration", "kind", "chunk", "microbatch", "start", "busy")),
+        collectives=empty(("instance", "rank", "arrive", "end", "group_size", "kind")), group_kinds=[],
+        p2p=empty(("src", "dst", "iteration", "backward", "send_start", "send_end", "recv_start", "recv_end", "bytes")),
+        iteration_time=iterations or empty(("rank", "iteration", "start", "end")),
+        host=host or table([], ("rank", "iteration", "cpu_ms", "cpu_wait_ms")))
+
+
+def host_rows(starved: dict[int, float], iterations: int = 12) -> dict[str, np.ndarray]:
+    rows = []
+    for it in range(iterations):
+        for rank in range(4):
+            cpu = 100 * RNG.uniform(0.8, 1.2)
+            wait = 150 * RNG.lognormal(0, 0.5) * starved.get(rank, 1.0)
+            rows.append((rank, it, cpu, wait))
+    return table(rows, ("rank", "iteration", "cpu_ms", "cpu_wait_ms"))
+
+
+def test_a_starved_rank_is_found_and_healthy_contention_is_not():
+    stage = host_starvation(data(host=host_rows({2: 6.0})))
+    assert [r for r, f in stage.findings.items() if f.flagged] == [2]
+    assert stage.findings[2].ratio > 3 and stage.findings[2].starved_iterations >= 11
+    assert not any(f.flagged for f in host_starvation(data(host=host_rows({}))).findings.values())
+    # Without counters (older traces, not Linux) the stage says so instead of guessing.
+    assert "no host counters" in host_starvation(data()).notes[0]
+
+
+def compute_rows(stalls: dict[int, float], iterations: int = 12, tasks: int = 16) -> dict[str, np.ndarray]:
+    """Every task 10 ms with 10% jitter; a stalled rank loses `stall` ms in a quarter of its tasks."""
+    rows = []
+    for it in range(iterations):
+        for rank in range(4):
+            for task in range(tasks):
+                busy = 10e6 * RNG.lognormal(0, 0.1)
+                if rank in stalls and task % 4 == 0:
+                    busy += stalls[rank] * 1e6
+                rows.append((rank, it, task % 2, 0, task // 2, it * 1e9 + task * 1e7, busy))
+    return table(rows, ("rank", "iteration", "kind", "chunk", "microbatch", "start", "busy"))
+
+
+def test_bursty_slowness_is_seen_in_iteration_totals_not_in_the_median_task():
+    stage = peer_comparison(data(compute=compute_rows({1: 25.0})))
+    finding = stage.findings[1]
+    assert finding.task_slowdown < 1.1  # three tasks in four run at full speed
+    assert finding.flagged and 1.4 < finding.slowdown < 1.9
+    assert [r for r, f in stage.findings.items() if f.flagged] == [1]
+
+
+def test_a_job_that_slows_with_no_named_source_is_partial_not_healthy():
+    rows = [(rank, it, it * 1e9, it * 1e9 + (500e6 if it < 6 else 800e6) * RNG.uniform(0.97, 1.03))
+            for it in range(12) for rank in range(4)]
+    iterations = table(rows, ("rank", "iteration", "start", "end"))
+    onset = job_slowdown_onset(data(iterations=iterations))
+    assert onset is not None and onset[0] == 6 and 1.5 < onset[1] < 1.7
+    detection = detect(data(iterations=iterations, compute=compute_rows({})))
+    assert detection.verdict == "partial" and not detection.suspects
+    assert any("slowed" in note and "no rank or link could be named" in note for note in detection.notes)
+    steady = table([(r, it, it * 1e9, it * 1e9 + 500e6 * RNG.uniform(0.97, 1.03)) for it in range(12) for r in range(4)],
+                   ("rank", "iteration", "start", "end"))
+    assert job_slowdown_onset(data(iterations=steady)) is None
+    assert detect(data(iterations=steady, compute=compute_rows({}))).verdict == "healthy"
+
+
+def test_pp_only_ranks_compare_layer_by_layer():
+    """DP = TP = 1: no rank has a same-stage peer, but with per-layer spans every transformer layer
+    runs the same kernels on every stage; the slowed stage is named, healthy stages are not."""
+    rows = []
+    for it in range(10):
+        for rank in range(4):
+            for layer in range(2):
+                for kind in (0, 1):
+                    busy = 4e6 * (2 if kind else 1) * RNG.lognormal(0, 0.08) * (1.5 if rank == 2 else 1.0)
+                    rows.append((rank, it, kind, rank * 2 + layer + 1, busy))
+    layers = table(rows, ("rank", "iteration", "kind", "layer", "busy"))
+    layers = {k: v.astype(np.int64) for k, v in layers.items()}
+    pipeline = data(dp=1, pp=4, compute=compute_rows({}))
+    pipeline.layers = layers
+    for rank in range(4):  # stages: every rank alone in its stage
+        pipeline.roles[rank] = RankRole(rank=rank, dp=0, pp=rank, tp=0, host="node0")
+    stage = peer_comparison(pipeline)
+    assert {f.method for f in stage.findings.values()} == {"layers"}
+    assert [r for r, f in stage.findings.items() if f.flagged] == [2] and 1.4 < stage.findings[2].slowdown < 1.6
+    detection = detect(pipeline)
+    assert [s.ranks for s in detection.suspects] == [[2]] and "per-layer compute" in detection.suspects[0].evidence[0]
