@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -123,8 +124,10 @@ def external_scenarios(iterations: int) -> list:
 
     def make(name, layout, expected, *, throttles=(), inject=(), links=()):
         nproc, flags = LAYOUTS[layout]
+        # Per-layer spans (--trace-granularity full): PP-only ranks have no same-stage peer and are
+        # compared layer by layer.
         return Scenario(name=name, nproc=nproc, layout=flags, expected=list(expected), expected_links=list(links),
-                        throttles=list(throttles), inject=list(inject), iterations=iterations,
+                        throttles=list(throttles), inject=list(inject), iterations=iterations, granularity="full",
                         healthy_of=f"healthy {layout}")
 
     mid = iterations // 2
@@ -234,6 +237,62 @@ def report_external(scenarios: list, results: dict[str, list[dict]]) -> int:
     return 0
 
 
+ONLINE_ALERT = re.compile(r"online detection \(iterations (\d+)-(\d+)\): rank (\d+) ")
+
+
+def run_online(repeat: int, iterations: int) -> None:
+    """--online-detect against a throttle applied from outside mid-run (one-iteration windows):
+    time from the throttle to the first alert naming its rank, in windows and seconds."""
+    import statistics
+
+    from fault_runs import Scenario, Throttle
+    from fault_runs import run as run_scenario
+
+    onset = iterations // 2
+    scenarios = [
+        Scenario(name=f"pp2-dp2 throttle r1 0.3 core from it {onset}", nproc=4, layout=LAYOUTS["pp2-dp2"][1],
+                 expected=[1], throttles=[Throttle(rank=1, fraction=0.3, onset=onset)], iterations=iterations,
+                 extra=["--online-detect"]),
+        Scenario(name=f"tp2-pp2 throttle r2 0.3 core from it {onset}", nproc=4, layout=LAYOUTS["tp2-pp2"][1],
+                 expected=[2], throttles=[Throttle(rank=2, fraction=0.3, onset=onset)], iterations=iterations,
+                 extra=["--online-detect"]),
+    ]
+    rows = {s.name: [] for s in scenarios}
+    for round_ in range(repeat):
+        for scenario in scenarios:
+            with tempfile.TemporaryDirectory() as directory:
+                outcome = run_scenario(scenario, Path(directory))
+            lines = outcome.stdout.splitlines(keepends=True)
+            first, wrong = None, 0
+            applied = outcome.onset_iteration()  # the tool starts in ~1 s: a few iterations after `onset`
+            applied = onset if applied is None else applied
+            for line, at in zip(lines, outcome.line_times):
+                match = ONLINE_ALERT.search(line)
+                if not match:
+                    continue
+                last, rank = int(match.group(2)), int(match.group(3))
+                if rank in scenario.expected and last >= applied:
+                    if first is None:
+                        first = (last - applied + 1, at - outcome.fault_started[0] if outcome.fault_started else float("nan"))
+                else:
+                    wrong += 1
+            rows[scenario.name].append({"ok": outcome.returncode == 0, "first": first, "wrong": wrong})
+            print(f"[online {round_ + 1}/{repeat}] {scenario.name}: first alert {first}, wrong alerts {wrong}",
+                  file=sys.stderr, flush=True)
+    print("\n| online scenario | runs | detected | windows to detect (median / max) | seconds (median / max) | "
+          "wrong alerts |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for scenario in scenarios:
+        runs = [r for r in rows[scenario.name] if r["ok"]]
+        found = [r["first"] for r in runs if r["first"] is not None]
+        windows = [f[0] for f in found]
+        seconds = [f[1] for f in found]
+        print(f"| {scenario.name} | {len(runs)} | {len(found)}/{len(runs)} | "
+              f"{f'{statistics.median(windows):g} / {max(windows)}' if found else '-'} | "
+              f"{f'{statistics.median(seconds):.1f} / {max(seconds):.1f}' if found else '-'} | "
+              f"{sum(r['wrong'] for r in runs)} |", flush=True)
+
+
 def statistics_counter(values) -> dict:
     from collections import Counter
 
@@ -266,7 +325,7 @@ def jitter_sweep(factors=(1.1, 1.15, 1.2, 1.3, 1.5), jitters=(0.1, 0.2, 0.3, 0.4
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--real", action="store_true", help="also run the real 4- and 8-rank CPU scenarios (minutes)")
-    parser.add_argument("--real-only", action="store_true")
+    parser.add_argument("--real-only", action="store_true", help="only the real 4- and 8-rank runs, no synthetic traces")
     parser.add_argument("--external", action="store_true",
                         help="the real scenarios with faults from outside (cgroup throttles) and the in-process "
                              "injector, repeated, with healthy baselines (an hour and more on 2 cores)")
@@ -274,14 +333,20 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=16, help="training iterations per --external run (all traced)")
     parser.add_argument("--only", default=None, metavar="TEXT",
                         help="--external: only scenarios whose name contains TEXT (and the healthy ones)")
+    parser.add_argument("--online", action="store_true",
+                        help="--online-detect against a throttle applied mid-run: time to detect (--repeat runs each)")
     parser.add_argument("--jitter-sweep", action="store_true", help="synthetic detection-limit curve over jitter 10-40%%")
-    parser.add_argument("--max-ranks", type=int, default=1024)
+    parser.add_argument("--max-ranks", type=int, default=1024, help="skip scenarios with more ranks than this")
     parser.add_argument("--keep", default=None, metavar="DIR",
                         help="keep the real runs' traces under DIR; traces already there are re-scored, not re-run")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
+    if args.online:
+        run_online(args.repeat, args.iterations)
+        if not args.external:
+            return 0
     if args.external:
-        if args.repeat < 1:
-            parser.error("--repeat must be >= 1")
         code = run_external(args.repeat, args.iterations, args.keep, args.only, args.max_ranks)
         if args.jitter_sweep:
             jitter_sweep()

@@ -44,6 +44,7 @@ class Scenario:
     expected: list[int] = field(default_factory=list)  # ranks a correct detector names
     expected_links: list[tuple[int, int]] = field(default_factory=list)
     inject: list[str] = field(default_factory=list)  # in-process injector flags
+    extra: list[str] = field(default_factory=list)  # more trainer flags (e.g. --online-detect)
     throttles: list[Throttle] = field(default_factory=list)
     iterations: int = 12
     granularity: str = "coarse"  # --trace-granularity (full adds per-layer spans)
@@ -70,6 +71,19 @@ class RunResult:
     iteration_ms: dict[int, float]
     stdout: str
     fault_output: list[str]
+    line_times: list[float] = field(default_factory=list)  # monotonic arrival time of each stdout line
+    fault_started: list[float] = field(default_factory=list)  # monotonic time each fault took effect
+
+    def onset_iteration(self) -> int | None:
+        """The first (0-based) iteration that ran with the first fault in force: the one whose log
+        line is the first to arrive after the fault took effect."""
+        if not self.fault_started:
+            return None
+        for line, at in zip(self.stdout.splitlines(), self.line_times):
+            match = ITERATION.search(line)
+            if match and at >= self.fault_started[0]:
+                return int(match.group(1)) - 1
+        return None
 
     def median_ms(self, first: int = 2) -> float:
         """Median iteration time from iteration `first` on (start-up excluded)."""
@@ -84,7 +98,7 @@ def run(scenario: Scenario, trace_dir: Path, *, timeout: float = 600) -> RunResu
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(scenario.nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(port), "pretrain_gpt.py", *MODEL,
                "--train-iters", str(scenario.iterations), "--trace-granularity", scenario.granularity,
-               *scenario.layout, *scenario.inject,
+               *scenario.layout, *scenario.inject, *scenario.extra,
                "--trace-dir", str(trace_dir)]
     job = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     faults: list[subprocess.Popen] = []
@@ -92,10 +106,19 @@ def run(scenario: Scenario, trace_dir: Path, *, timeout: float = 600) -> RunResu
     iteration_ms: dict[int, float] = {}
     pending = sorted(scenario.throttles, key=lambda t: t.onset)
 
+    line_times: list[float] = []
+    fault_started: list[float] = []
+
+    first_lines: list[str] = []
+
     def start_due(iteration: int) -> None:
         while pending and pending[0].onset <= iteration:
-            faults.append(subprocess.Popen(pending.pop(0).command(port), cwd=ROOT, env=env(),
-                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            fault = subprocess.Popen(pending.pop(0).command(port), cwd=ROOT, env=env(),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            faults.append(fault)
+            # Its first line says the fault is in force (the job's output waits in its pipe meanwhile).
+            first_lines.append(fault.stdout.readline())
+            fault_started.append(time.monotonic())
 
     timer = threading.Timer(timeout, job.kill)
     timer.start()
@@ -103,6 +126,7 @@ def run(scenario: Scenario, trace_dir: Path, *, timeout: float = 600) -> RunResu
         start_due(0)
         for line in job.stdout:
             lines.append(line)
+            line_times.append(time.monotonic())
             match = ITERATION.search(line)
             if match:
                 iteration_ms[int(match.group(1))] = float(match.group(2))
@@ -114,7 +138,7 @@ def run(scenario: Scenario, trace_dir: Path, *, timeout: float = 600) -> RunResu
             job.kill()
             job.wait()
         fault_output = []
-        for fault in faults:
+        for first, fault in zip(first_lines, faults):
             if fault.poll() is None:
                 fault.send_signal(signal.SIGINT)
             try:
@@ -122,9 +146,9 @@ def run(scenario: Scenario, trace_dir: Path, *, timeout: float = 600) -> RunResu
             except subprocess.TimeoutExpired:
                 fault.kill()
                 out, _ = fault.communicate()
-            fault_output.append(out)
+            fault_output.append(first + out)
     return RunResult(returncode=job.returncode, iteration_ms=iteration_ms, stdout="".join(lines),
-                     fault_output=fault_output)
+                     fault_output=fault_output, line_times=line_times, fault_started=fault_started)
 
 
 def wait_quiet(seconds: float = 0.5) -> None:

@@ -57,7 +57,11 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
         if not (compute_named or host_named):
             continue
         evidence = []
-        if finding is not None and finding.method == "peers":
+        if finding is not None and finding.method != "history" and finding.onset_iteration is not None:
+            evidence.append(f"from iteration {finding.onset_iteration} on, compute {finding.slowdown:.2f}x its earlier "
+                            f"standing against its {'peers' if finding.method == 'peers' else 'TP-index peers'} "
+                            f"{finding.peers} ({finding.z:.1f} standard errors, slower in every later iteration)")
+        elif finding is not None and finding.method == "peers":
             evidence.append(f"compute {finding.slowdown:.2f}x its peers {finding.peers} (median over "
                             f"{finding.iterations} iterations of the busy total, {finding.z:.1f} standard errors, "
                             f"slower in {finding.slower_iterations} of {finding.iterations}; median task "
@@ -75,8 +79,9 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
             evidence.append(f"compute {finding.slowdown:.2f}x its own earlier iterations from iteration "
                             f"{finding.onset_iteration} on ({finding.z:.1f} standard errors; no peer to compare with)")
         if starved is not None and starved.flagged:
-            evidence.append(f"starved of CPU: {starved.ratio:.1f}x the run-queue wait per CPU second of the other ranks "
-                            f"on its host in {starved.starved_iterations} of {starved.iterations} iterations "
+            since = f" from iteration {starved.onset_iteration} on" if starved.onset_iteration is not None else ""
+            evidence.append(f"starved of CPU{since}: {starved.ratio:.1f}x the run-queue wait per CPU second of the other "
+                            f"ranks on its host in {starved.starved_iterations} of {starved.iterations} iterations "
                             f"({100 * starved.wait_share:.0f}% of its runnable time spent waiting for a CPU)")
         corroborated = 0.0
         if arrival_finding is not None and arrival_finding.last > arrival_finding.expected_last:

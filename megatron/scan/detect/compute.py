@@ -99,15 +99,13 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
             valid = ~np.isnan(matrix[:, j]) & (np.sum(~np.isnan(others), axis=1) > 0)
             instance_ratio = matrix[valid, j] - np.nanmedian(others[valid], axis=1) if valid.any() else np.zeros(0)
             compared[int(rank)] = (per_iteration, iterations, instance_ratio, peers, keys[valid])
-    # Noise of one per-iteration ratio: the median over ranks of each rank's own robust spread, so
-    # that neither a slow rank's bursts nor its mirror image in a two-rank stage set the scale.
-    spreads = [_MAD * float(np.median(np.abs(r - np.median(r)))) for r, *_ in compared.values() if len(r) >= 3]
-    iteration_noise = max(float(np.median(spreads)) if spreads else 0.1, 0.02)
+    iteration_noise = series_noise([r for r, *_ in compared.values()], default=0.1)
     for rank, (per_iteration, iterations, instance_ratio, peers, keys) in compared.items():
         if not len(per_iteration):
             continue
         findings[rank] = _finding(rank, peers, per_iteration, iteration_noise, instance_ratio, keys, pair_noise,
-                                  z_instance, z_rank, min_slowdown, min_consistency)
+                                  z_instance, z_rank, min_slowdown, min_consistency,
+                                  iterations_of=iterations)
     # Ranks with no same-stage peer (PP-only layouts): with per-layer spans, every transformer
     # layer of any stage runs the same kernels, so ranks of one TP index compare layer by layer.
     lonely = [r for r in data.world if r not in findings]
@@ -155,15 +153,15 @@ def _layer_peers(data: DetectionInput, lonely: list[int], z_rank: float, min_slo
             valid = ~np.isnan(matrix[:, j]) & (np.sum(~np.isnan(others), axis=1) > 0)
             if valid.sum() >= 2:
                 per_rank[rank] = (matrix[valid, j] - np.nanmedian(others[valid], axis=1),
-                                  [r for r in ranks if r != rank])
-    spreads = [_MAD * float(np.median(np.abs(r - np.median(r)))) for r, _ in per_rank.values() if len(r) >= 3]
-    noise = max(float(np.median(spreads)) if spreads else 0.1, 0.02)
+                                  [r for r in ranks if r != rank], iterations[valid])
+    noise = series_noise([r for r, *_ in per_rank.values()], default=0.1)
     for rank in lonely:
         if rank not in per_rank:
             continue
-        ratio, peers = per_rank[rank]
+        ratio, peers, iterations = per_rank[rank]
         finding = _finding(rank, peers, ratio, noise, np.zeros(0), np.zeros((0, 4), dtype=np.int64), 1.0, 2.0,
-                           z_rank, min_slowdown, min_consistency)
+                           z_rank, min_slowdown, min_consistency,
+                           iterations_of=iterations)
         finding.method = "layers"
         findings[rank] = finding
     return findings
@@ -171,11 +169,16 @@ def _layer_peers(data: DetectionInput, lonely: list[int], z_rank: float, min_slo
 
 def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_noise: float,
              instance_ratio: np.ndarray, keys: np.ndarray, pair_noise: float, z_instance: float, z_rank: float,
-             min_slowdown: float, min_consistency: float) -> ComputeFinding:
+             min_slowdown: float, min_consistency: float, iterations_of: np.ndarray | None = None) -> ComputeFinding:
     median = float(np.median(per_iteration))
     z = median / (1.2533 * iteration_noise / np.sqrt(len(per_iteration)))
     consistent = bool(np.mean(per_iteration > 0) >= min_consistency) if len(per_iteration) >= 4 else True
     flagged = bool(z > z_rank and np.exp(median) >= min_slowdown and consistent)
+    onset = None
+    if not flagged:  # a fault that began mid-run barely moves the whole series' median
+        change = onset_shift(per_iteration, iteration_noise)
+        if change is not None and change[1] > z_rank + ONSET_PENALTY and np.exp(change[0]) >= min_slowdown:
+            flagged, median, z, onset = True, change[0], change[1], int(iterations_of[change[2]])
     slow = instance_ratio > max(z_instance * pair_noise, np.log(1.02))
     worst = np.argsort(-instance_ratio)[:5]
     worst_ops = [{"iteration": int(keys[i, 0]), "op": "backward" if keys[i, 1] else "forward", "chunk": int(keys[i, 2]),
@@ -184,7 +187,38 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
                           slow_instances=int(slow.sum()), iterations=len(per_iteration),
                           slower_iterations=int(np.sum(per_iteration > 0)), slowdown=float(np.exp(median)),
                           task_slowdown=float(np.exp(np.median(instance_ratio))) if len(instance_ratio) else 1.0,
-                          z=float(z), flagged=flagged, worst_ops=worst_ops)
+                          z=float(z), flagged=flagged, worst_ops=worst_ops, onset_iteration=onset)
+
+
+def series_noise(series: list[np.ndarray], *, default: float, floor: float = 0.02) -> float:
+    """Noise of one value of per-iteration ratio series: the median over series of each one's
+    robust spread of successive differences (/ sqrt 2). Differences, so that a step (a fault that
+    began mid-run) does not inflate it; the median over ranks, so that neither a slow rank's
+    bursts nor its mirror image in a two-rank stage set the scale."""
+    spreads = [_MAD * float(np.median(np.abs(np.diff(r)))) / np.sqrt(2.0) for r in series if len(r) >= 3]
+    return max(float(np.median(spreads)) if spreads else default, floor)
+
+
+# Extra standard errors asked of an onset: the best of many before/after splits is taken.
+ONSET_PENALTY = 1.0
+
+
+def onset_shift(series: np.ndarray, noise: float, *, min_before: int = 3,
+                min_after: int = 2) -> tuple[float, float, int] | None:
+    """(log shift, z, first index after) of the best split of a per-iteration ratio series into
+    an earlier part and a later part that is higher in every value: a fault that began mid-run
+    (or, online, in the last windows). None when the series is too short for both parts."""
+    best = None
+    for split in range(min_before, len(series) - min_after + 1):
+        before, after = series[:split], series[split:]
+        baseline = float(np.median(before))
+        if not np.all(after > baseline):
+            continue
+        shift = float(np.median(after)) - baseline
+        z = shift / (1.2533 * noise * np.sqrt(1 / len(after) + 1 / len(before)))
+        if best is None or z > best[1]:
+            best = (shift, z, split)
+    return best
 
 
 def _history(rank: int, iteration: np.ndarray, busy: np.ndarray, z_rank: float,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megatron.scan.detect.compute import ONSET_PENALTY, onset_shift, series_noise
 from megatron.scan.detect.model import DetectionInput
 
 _MAD = 1.4826
@@ -23,6 +24,7 @@ class StarvationFinding:
     wait_share: float  # run-queue wait / (wait + cpu time), over all its traced iterations
     z: float
     flagged: bool
+    onset_iteration: int | None = None  # starved from this iteration on (not before)
 
 
 @dataclass(kw_only=True)
@@ -54,22 +56,28 @@ def host_starvation(data: DetectionInput, *, z_rank: float = 3.5, min_ratio: flo
         for j, rank in enumerate(ranks):
             others = np.delete(matrix, j, axis=1)
             valid = ~np.isnan(matrix[:, j]) & (np.sum(~np.isnan(others), axis=1) > 0)
-            if valid.sum() < 3:
+            if valid.sum() < 2:  # online detection looks at windows of two iterations
                 continue
             mine = h["rank"] == rank
             share = float(h["cpu_wait_ms"][mine].sum() / max(h["cpu_wait_ms"][mine].sum() + h["cpu_ms"][mine].sum(), 1e-9))
-            ratios[rank] = (matrix[valid, j] - np.nanmedian(others[valid], axis=1), share)
+            ratios[rank] = (matrix[valid, j] - np.nanmedian(others[valid], axis=1), share, iterations[valid])
     if not ratios:
         return HostStage(findings={}, notes=["host counters: no two ranks on one host to compare"])
-    spreads = [_MAD * float(np.median(np.abs(r - np.median(r)))) for r, _ in ratios.values()]
-    noise = max(float(np.median(spreads)), 0.05)
+    noise = series_noise([r for r, *_ in ratios.values()], default=0.3, floor=0.05)
     findings = {}
-    for rank, (ratio, share) in ratios.items():
+    for rank, (ratio, share, iterations) in ratios.items():
         median = float(np.median(ratio))
         z = median / (1.2533 * noise / np.sqrt(len(ratio)))
         starved = int(np.sum(ratio > 0))
+        flagged = bool(z > z_rank and np.exp(median) >= min_ratio and starved >= min_consistency * len(ratio))
+        onset = None
+        if not flagged:  # starved from mid-run on (or, online, in the last windows)
+            change = onset_shift(ratio, noise)
+            if change is not None and change[1] > z_rank + ONSET_PENALTY and np.exp(change[0]) >= min_ratio:
+                flagged, median, z, onset = True, change[0], change[1], int(iterations[change[2]])
+                ratio = ratio[change[2]:]
+                starved = len(ratio)
         findings[rank] = StarvationFinding(rank=rank, iterations=len(ratio), starved_iterations=starved,
-                                           ratio=float(np.exp(median)), wait_share=share, z=float(z),
-                                           flagged=bool(z > z_rank and np.exp(median) >= min_ratio
-                                                        and starved >= min_consistency * len(ratio)))
+                                           ratio=float(np.exp(median)), wait_share=share, z=float(z), flagged=flagged,
+                                           onset_iteration=onset)
     return HostStage(findings=findings, noise=noise)

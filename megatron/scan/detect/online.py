@@ -1,6 +1,7 @@
-"""`--online-detect`: during a traced run, rank 0 re-runs the detectors on the last two traced
-windows in a background thread after every window (off the training critical path), logs each
-suspect with its evidence as a warning and writes DIR/online_abnormal.json."""
+"""`--online-detect`: during a traced run, rank 0 re-runs the detectors after every traced window
+in a background thread (off the training critical path) on everything traced so far (a recent
+onset is tested against each rank's earlier standing), logs each suspect with its evidence as a
+warning and writes DIR/online_abnormal.json."""
 from __future__ import annotations
 
 import argparse
@@ -16,22 +17,9 @@ import numpy as np
 
 from megatron.app.config import ConfigError
 from megatron.app.plugins import Plugin, register_plugin
-from megatron.scan.detect.model import DetectionInput
 
 
-def restrict(data: DetectionInput, first_iteration: int) -> DetectionInput:
-    """The same tables, keeping only iterations >= first_iteration (a sliding window)."""
-    def keep(table: dict[str, np.ndarray], mask: np.ndarray) -> dict[str, np.ndarray]:
-        return {k: v[mask] for k, v in table.items()}
-
-    compute = keep(data.compute, data.compute["iteration"] >= first_iteration)
-    iterations = keep(data.iteration_time, data.iteration_time["iteration"] >= first_iteration)
-    start = iterations["start"].min() if len(iterations["start"]) else np.iinfo(np.int64).min
-    # Collectives carry no iteration of their own outside a task: keep those after the window began.
-    collectives = keep(data.collectives, data.collectives["arrive"] >= start)
-    p2p = keep(data.p2p, data.p2p["iteration"] >= first_iteration)
-    return DetectionInput(roles=data.roles, sizes=data.sizes, compute=compute, collectives=collectives,
-                          group_kinds=data.group_kinds, p2p=p2p, iteration_time=iterations, warnings=[])
+MIN_ITERATIONS = 4  # traced iterations before the first online verdict
 
 
 def _windows_on_disk(directory: Path) -> dict[str, int]:
@@ -92,7 +80,11 @@ class OnlineDetector:
             if len(counts) >= self.world_size and min(counts.values()) >= windows_done:
                 break
             time.sleep(0.2)
-        data = restrict(from_aggregation(aggregate(self.trace_dir, None, jobs=1)), first_iteration)
+        data = from_aggregation(aggregate(self.trace_dir, None, jobs=1))
+        if len(np.unique(data.compute["iteration"])) < MIN_ITERATIONS:
+            return  # the first iterations (warm-up) alone are no baseline
+        # Everything traced so far: a fault that began in the recent windows shows as an onset
+        # against each rank's own earlier standing, not only once it dominates the history.
         detection = detect(data)
         result = as_dict(detection)
         result["iterations"] = [first_iteration, last_iteration]
@@ -119,8 +111,9 @@ class OnlineDetectPlugin(Plugin):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("MegaScan online detection")
         g.add_argument("--online-detect", action="store_true",
-                       help="with --trace: after every traced window, rank 0 runs slow-rank detection on the last two "
-                            "windows in a background thread, warns about suspects, writes DIR/online_abnormal.json")
+                       help="with --trace: after every traced window, rank 0 runs slow-rank detection on what is traced so "
+                            "far (recent onsets against each rank's earlier iterations) "
+                            "in a background thread, warns about suspects, writes DIR/online_abnormal.json")
 
     def enabled(self, args: argparse.Namespace) -> bool:
         return bool(getattr(args, "online_detect", False))
