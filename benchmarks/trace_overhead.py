@@ -13,13 +13,29 @@ The hang watchdog (`--hang-timeout`) and live metrics (`--metrics-port`) observe
 collective of every iteration (not only traced ones); their cost is measured the same way: the
 CPU time of one observation (the larger of a span and a collective, timed here) x events per
 iteration, against the untraced iteration time.
+
+Two modes:
+  --mode off-vs-on (default): the honest end-to-end figure. Whole runs with MegaScan entirely off
+    (no --trace: no scan plugin, no watchdog, no collective wrappers) alternate with whole runs of
+    the same job with --trace (its defaults, or every iteration with --trace-every-iteration), in
+    the order off,on,on,off,off,on,... so that a slow drift of machine load cancels. Each run gives
+    its trimmed-mean iteration time after warm-up; each adjacent (off, on) pair a log ratio; pairs
+    are added until the 95% confidence interval of the mean ratio is within --target (default
+    +-1%) or --max-pairs is reached. The extra time per iteration divided by the events recorded
+    per iteration (read from the traced runs' files) is the per-event cost, printed beside the
+    cost of one recorded span timed in a loop here.
+  --mode interleaved: traced and untraced iterations of one run (--trace-interval 4
+    --continuous-trace-iterations 1), compared cycle by cycle; also prints the tracer's own CPU
+    time and the always-on observers' (watchdog, metrics) cost per iteration.
 Usage:
-  python benchmarks/trace_overhead.py [--iters 400] [--granularity coarse|full] [--layouts pp2-dp2,tp2-pp2]
+  python benchmarks/trace_overhead.py [--layouts pp2] [--iters 60] [--target 0.01] [--max-pairs 40]
+  python benchmarks/trace_overhead.py --mode interleaved [--iters 400] [--layouts pp2-dp2,tp2-pp2]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -31,26 +47,38 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# layout -> (ranks, flags). Two ranks on this 2-core machine is one process per core, the least
+# noisy wall-clock comparison; the four-rank layouts share cores.
 LAYOUTS = {
-    "pp2-dp2": ["--pipeline-model-parallel-size", "2"],
-    "tp2-pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "dp2": (2, []),
+    "pp2-dp2": (4, ["--pipeline-model-parallel-size", "2"]),
+    "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
 }
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--micro-batch-size", "2", "--global-batch-size", "16", "--mock-data", "--vocab-size", "512", "--device", "cpu"]
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+)")
 
 
-def run_layout(layout: str, iters: int, granularity: str, trace_dir: str) -> dict[int, float]:
-    """Per-iteration time (ms) of one 4-rank run, keyed by 0-based iteration."""
+def run_job(layout: str, iters: int, flags: list[str]) -> dict[int, float]:
+    """Per-iteration time (ms) of one run of the layout with `flags`, keyed by 0-based iteration."""
+    if layout not in LAYOUTS:
+        raise SystemExit(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+    ranks, layout_flags = LAYOUTS[layout]
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(_free_port()),
-               "pretrain_gpt.py", *MODEL, *LAYOUTS[layout], "--train-iters", str(iters), "--log-interval", "1",
-               "--lr-decay-style", "constant", "--trace", "--trace-dir", trace_dir, "--trace-interval", "4",
-               "--continuous-trace-iterations", "1", "--trace-granularity", granularity]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+               "--master-port", str(_free_port()), "pretrain_gpt.py", *MODEL, *layout_flags,
+               "--train-iters", str(iters), "--log-interval", "1", "--lr-decay-style", "constant", *flags]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{layout} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return {int(m.group(1)) - 1: float(m.group(2)) for m in LINE.finditer(proc.stdout)}
+
+
+def run_layout(layout: str, iters: int, granularity: str, trace_dir: str) -> dict[int, float]:
+    """One run tracing one iteration out of every four (the interleaved mode)."""
+    return run_job(layout, iters, ["--trace", "--trace-dir", trace_dir, "--trace-interval", "4",
+                                   "--continuous-trace-iterations", "1", "--trace-granularity", granularity])
 
 
 def span_cost_us(repeat: int = 50_000) -> float:
@@ -154,6 +182,78 @@ def overhead(times: dict[int, float], warmup: int) -> dict[str, float]:
             "ci": half_width / baseline, "samples": len(cycles)}
 
 
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (then the normal's 1.96).
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def t95(dof: int) -> float:
+    return _T95[dof - 1] if 1 <= dof <= len(_T95) else 1.96
+
+
+def ratio_interval(pairs: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """(ratio on/off, lower, upper) of the 95% confidence interval, from the mean log ratio of
+    paired runs (a ratio is symmetric in logs, and pairing cancels slow changes of machine load)."""
+    logs = [math.log(on / off) for off, on in pairs]
+    mean = statistics.fmean(logs)
+    half = t95(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("inf")
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def events_per_iteration(trace_dir: str, iterations: int) -> float:
+    """Events one rank records per iteration, averaged over every iteration of the run (traced or
+    not) and over ranks: the work the tracer adds to each rank's iteration on average."""
+    files = list(Path(trace_dir).glob("benchmark-data-*.json"))
+    total = 0
+    for path in files:
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record["type"] == "window":
+                total += len(record["events"]["name"])
+    return total / max(1, len(files)) / max(1, iterations)
+
+
+def off_vs_on(layout: str, args: argparse.Namespace) -> dict:
+    """Alternate whole runs with MegaScan off and with --trace until the ratio's 95% interval is
+    within args.target (or args.max_pairs); returns the figures of one table row."""
+    trace_flags = ["--trace", "--trace-granularity", args.granularity]
+    if args.trace_every_iteration:
+        trace_flags += ["--trace-interval", "1", "--continuous-trace-iterations", "1"]
+    pairs: list[tuple[float, float]] = []
+    events = []
+    while len(pairs) < args.max_pairs:
+        order = ("off", "on") if len(pairs) % 2 == 0 else ("on", "off")
+        result = {}
+        for kind in order:
+            if kind == "off":
+                result[kind] = trimmed_mean(list(_steady(run_job(layout, args.iters, []), args.warmup)))
+            else:
+                with tempfile.TemporaryDirectory() as trace_dir:
+                    times = run_job(layout, args.iters, [*trace_flags, "--trace-dir", trace_dir])
+                    events.append(events_per_iteration(trace_dir, len(times)))
+                result[kind] = trimmed_mean(list(_steady(times, args.warmup)))
+        pairs.append((result["off"], result["on"]))
+        ratio, low, high = ratio_interval(pairs)
+        print(f"[overhead] {layout} pair {len(pairs)}: off {result['off']:.2f} ms, on {result['on']:.2f} ms; "
+              f"ratio so far {ratio:.4f} [{low:.4f}, {high:.4f}]", flush=True)
+        if len(pairs) >= args.min_pairs and max(high - ratio, ratio - low) <= args.target:
+            break
+    off = statistics.fmean(p[0] for p in pairs)
+    ratio, low, high = ratio_interval(pairs)
+    per_iteration = statistics.fmean(events)
+    extra_ms = off * (ratio - 1)
+    return {"layout": layout, "pairs": len(pairs), "off_ms": off, "on_ms": off * ratio, "ratio": ratio, "low": low,
+            "high": high, "events": per_iteration, "event_ns": extra_ms * 1e6 / per_iteration if per_iteration else
+            float("nan")}
+
+
+def _steady(times: dict[int, float], warmup: int) -> list[float]:
+    steady = [t for i, t in sorted(times.items()) if i >= warmup]
+    if len(steady) < 5:
+        raise SystemExit(f"only {len(steady)} iterations after the {warmup} of warm-up: raise --iters")
+    return steady
+
+
 def _free_port() -> int:
     import socket
 
@@ -164,15 +264,54 @@ def _free_port() -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iters", type=int, default=400)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--granularity", choices=["coarse", "full"], default="coarse")
-    parser.add_argument("--layouts", default="pp2-dp2,tp2-pp2")
+    parser.add_argument("--mode", choices=["off-vs-on", "interleaved"], default="off-vs-on",
+                        help="off-vs-on: whole runs with MegaScan off against whole runs with --trace (default); "
+                             "interleaved: traced and untraced iterations of one run, plus the tracer's CPU time")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="iterations per run (default 60 for off-vs-on, 400 for interleaved)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="first iterations left out of each run (default 10 for off-vs-on, 20 for interleaved)")
+    parser.add_argument("--granularity", choices=["coarse", "full"], default="coarse",
+                        help="--trace-granularity of the traced runs")
+    parser.add_argument("--layouts", default=None,
+                        help=f"comma-separated, from {', '.join(LAYOUTS)} (default pp2 for off-vs-on, "
+                             f"pp2-dp2,tp2-pp2 for interleaved)")
+    parser.add_argument("--trace-every-iteration", action="store_true",
+                        help="off-vs-on: trace every iteration (--trace-interval 1 --continuous-trace-iterations 1) "
+                             "instead of --trace's default windows")
+    parser.add_argument("--target", type=float, default=0.01,
+                        help="off-vs-on: stop adding run pairs once the ratio's 95%% interval is within +-TARGET")
+    parser.add_argument("--min-pairs", type=int, default=4, help="off-vs-on: run pairs before the first stop test")
+    parser.add_argument("--max-pairs", type=int, default=40, help="off-vs-on: most run pairs per layout")
     args = parser.parse_args()
+    interleaved = args.mode == "interleaved"
+    args.iters = args.iters or (400 if interleaved else 60)
+    args.warmup = args.warmup if args.warmup is not None else (20 if interleaved else 10)
+    layouts = (args.layouts or ("pp2-dp2,tp2-pp2" if interleaved else "pp2")).split(",")
+    unknown = [layout for layout in layouts if layout not in LAYOUTS]
+    if unknown:
+        parser.error(f"unknown layout(s) {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
+    if interleaved:
+        return interleaved_table(layouts, args)
+    cost_ns = span_cost_us() * 1e3
+    rows = [off_vs_on(layout, args) for layout in layouts]
+    what = "every iteration" if args.trace_every_iteration else "--trace defaults (2 of every 5 iterations)"
+    print(f"\nMegaScan off vs --trace ({what}, granularity {args.granularity}), CPU ranks, {args.iters} iterations "
+          f"per run (first {args.warmup} left out), runs alternated off,on,on,off,...; a recorded span costs "
+          f"{cost_ns:.0f} ns in a loop")
+    print(f"{'layout':8s} {'pairs':>5s} {'off ms':>8s} {'on ms':>8s} {'ratio':>7s} {'95% CI':>17s} "
+          f"{'events/it':>9s} {'ns/event':>9s}")
+    for r in rows:
+        print(f"{r['layout']:8s} {r['pairs']:5d} {r['off_ms']:8.2f} {r['on_ms']:8.2f} {r['ratio']:7.4f} "
+              f"[{r['low']:.4f}, {r['high']:.4f}] {r['events']:9.1f} {r['event_ns']:9.0f}")
+    return 0
+
+
+def interleaved_table(layouts: list[str], args: argparse.Namespace) -> int:
     rows = []
     cost_us = span_cost_us()
     always_on_us = observer_costs_us()
-    for layout in args.layouts.split(","):
+    for layout in layouts:
         with tempfile.TemporaryDirectory() as trace_dir:
             times = run_layout(layout, args.iters, args.granularity, trace_dir)
             trace_bytes = sum(p.stat().st_size for p in Path(trace_dir).iterdir())
@@ -180,7 +319,7 @@ def main() -> int:
         result = overhead(times, args.warmup)
         cpu_ms = events * cost_us / 1e3 + encode_ms  # one window = one traced iteration here
         rows.append((layout, result, trace_bytes, events, cpu_ms))
-    print(f"trace overhead, 4 CPU ranks, {args.iters} iterations (first {args.warmup} skipped), "
+    print(f"trace overhead, CPU ranks, {args.iters} iterations (first {args.warmup} skipped), "
           f"granularity {args.granularity}, traced and untraced iterations interleaved in one run; "
           f"one recorded span costs {cost_us:.2f} us")
     print(f"{'layout':8s} {'untraced ms':>11s} {'traced ms':>10s} {'ratio':>7s} {'95% CI':>8s} {'cycles':>6s} "

@@ -73,6 +73,7 @@ def text_report(detection: Detection) -> str:
 def write_outputs(detection: Detection, directory: str | os.PathLike, *, html: bool = True) -> dict[str, Path]:
     """abnormal.json, abnormal.txt, detection.txt (and report.html) into `directory`."""
     directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     paths = {"json": directory / "abnormal.json", "txt": directory / "abnormal.txt",
              "report": directory / "detection.txt"}
     _atomic_write(paths["json"], json.dumps(as_dict(detection), indent=1))
