@@ -35,7 +35,7 @@ class HostStage:
 
 
 def host_starvation(data: DetectionInput, *, z_rank: float = 3.5, min_ratio: float = 2.0,
-                    min_consistency: float = 0.8) -> HostStage:
+                    min_consistency: float = 0.7) -> HostStage:
     h = data.host
     if not len(h["rank"]):
         return HostStage(findings={}, notes=["no host counters in the trace (not Linux, or traces of an older "
