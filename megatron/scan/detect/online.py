@@ -72,8 +72,14 @@ def _analysis_process(trace_dir: str, requests, results) -> None:
         os.nice(10)
     except OSError:
         pass
+    parent = os.getppid()
     while True:
-        request = requests.get()
+        try:
+            request = requests.get(timeout=2.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # rank 0 died without closing: nothing is left behind
+                return
+            continue
         if request is None:
             return
         try:
