@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from launch import ROOT
-from scope_helpers import fresh_job_env
+from scope_helpers import ctrl_c_reaches_child, fresh_job_env
 
 pytest.importorskip("aiohttp", reason="the MegaScope server needs aiohttp (pip install aiohttp)")
 
@@ -20,7 +20,8 @@ pytest.importorskip("aiohttp", reason="the MegaScope server needs aiohttp (pip i
 def test_serve_prints_url_serves_and_stops_on_ctrl_c():
     process = subprocess.Popen([sys.executable, "-m", "megatron.scope", "serve", "--random-model", "--port", "0",
                                 "--num-layers", "2", "--hidden-size", "32"], cwd=ROOT, env=fresh_job_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               preexec_fn=ctrl_c_reaches_child)
     try:
         deadline, url = time.monotonic() + 120, None
         while url is None and time.monotonic() < deadline:

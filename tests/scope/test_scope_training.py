@@ -16,7 +16,7 @@ import pytest
 
 aiohttp = pytest.importorskip("aiohttp", reason="the MegaScope server needs aiohttp (pip install aiohttp)")
 
-from scope_helpers import fresh_job_env  # noqa: E402
+from scope_helpers import ctrl_c_reaches_child, fresh_job_env  # noqa: E402
 from launch import ROOT, env, free_port  # noqa: E402
 from megatron.scope.codec import decode_frame  # noqa: E402
 from megatron.scope.server import WEB_DIST  # noqa: E402
@@ -128,7 +128,8 @@ def test_enable_ws_server_serves_generation_after_training():
     command = [sys.executable, "pretrain_gpt.py", *ARGS[:ARGS.index("--pipeline-model-parallel-size")],
                "--train-iters", "2", "--enable-ws-server", "--training-ws-port", "0", "--ws-token", "after"]
     process = subprocess.Popen(command, cwd=ROOT, env=fresh_job_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               preexec_fn=ctrl_c_reaches_child)
     try:
         port = int(re.search(r":(\d+)/", _wait_for_url(process)).group(1))
         _wait_for_url(process, pattern=r"training done; serving generation")
