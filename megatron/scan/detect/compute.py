@@ -169,15 +169,15 @@ def _layer_peers(data: DetectionInput, lonely: list[int], z_rank: float, min_slo
 
 def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_noise: float,
              instance_ratio: np.ndarray, keys: np.ndarray, pair_noise: float, z_instance: float, z_rank: float,
-             min_slowdown: float, min_consistency: float, iterations_of: np.ndarray | None = None) -> ComputeFinding:
+             min_slowdown: float, min_consistency: float, iterations_of: np.ndarray) -> ComputeFinding:
     median = float(np.median(per_iteration))
     z = median / (1.2533 * iteration_noise / np.sqrt(len(per_iteration)))
     consistent = bool(np.mean(per_iteration > 0) >= min_consistency) if len(per_iteration) >= 4 else True
     flagged = bool(z > z_rank and np.exp(median) >= min_slowdown and consistent)
     onset = None
     if not flagged:  # a fault that began mid-run barely moves the whole series' median
-        change = onset_shift(per_iteration, iteration_noise)
-        if change is not None and change[1] > z_rank + ONSET_PENALTY and np.exp(change[0]) >= min_slowdown:
+        change = significant_onset(per_iteration, iteration_noise, z_rank, min_slowdown)
+        if change is not None:
             flagged, median, z, onset = True, change[0], change[1], int(iterations_of[change[2]])
     slow = instance_ratio > max(z_instance * pair_noise, np.log(1.02))
     worst = np.argsort(-instance_ratio)[:5]
@@ -201,6 +201,15 @@ def series_noise(series: list[np.ndarray], *, default: float, floor: float = 0.0
 
 # Extra standard errors asked of an onset: the best of many before/after splits is taken.
 ONSET_PENALTY = 1.0
+
+
+def significant_onset(series: np.ndarray, noise: float, z_rank: float,
+                      min_ratio: float) -> tuple[float, float, int] | None:
+    """onset_shift's best split when it clears z_rank + ONSET_PENALTY and min_ratio, else None."""
+    change = onset_shift(series, noise)
+    if change is not None and change[1] > z_rank + ONSET_PENALTY and np.exp(change[0]) >= min_ratio:
+        return change
+    return None
 
 
 def onset_shift(series: np.ndarray, noise: float, *, min_before: int = 3,

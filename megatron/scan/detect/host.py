@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron.scan.detect.compute import ONSET_PENALTY, onset_shift, series_noise
+from megatron.scan.detect.compute import series_noise, significant_onset
 from megatron.scan.detect.model import DetectionInput
 
 _MAD = 1.4826
@@ -72,8 +72,8 @@ def host_starvation(data: DetectionInput, *, z_rank: float = 3.5, min_ratio: flo
         flagged = bool(z > z_rank and np.exp(median) >= min_ratio and starved >= min_consistency * len(ratio))
         onset = None
         if not flagged:  # starved from mid-run on (or, online, in the last windows)
-            change = onset_shift(ratio, noise)
-            if change is not None and change[1] > z_rank + ONSET_PENALTY and np.exp(change[0]) >= min_ratio:
+            change = significant_onset(ratio, noise, z_rank, min_ratio)
+            if change is not None:
                 flagged, median, z, onset = True, change[0], change[1], int(iterations[change[2]])
                 ratio = ratio[change[2]:]
                 starved = len(ratio)
