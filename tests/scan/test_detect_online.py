@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
 
 from fault_runs import Scenario, Throttle, run
 from launch import torchrun
+from megatron.scan.detect.online import WindowCounter
 
 ONSET = 3
 
@@ -53,4 +55,28 @@ def test_external_throttle_mid_run_is_reported_during_the_run(tmp_path):
     named = [last for last, rank in alerts if rank == 1 and last >= applied]
     assert named, (applied, alerts, result.stdout[-3000:])
     # Nothing before the fault, nobody else (rank 1 alerts after it are repeats of the same finding).
-    assert not [a for a in alerts if a[1] != 1 or a[0] < applied], alerts
+    wrong = [line for line in result.stdout.splitlines() if (m := ALERT.search(line))
+             and (int(m.group(3)) != 1 or int(m.group(2)) < applied)]
+    assert not wrong, (applied, wrong[:5])  # the evidence, to see why
+
+
+def test_window_counter_reads_only_what_was_appended_and_waits_for_unfinished_lines(tmp_path):
+    """The analysis process waits until every rank's file holds the window it was asked about; a
+    window line still being written is not counted until its newline arrives."""
+    files = [tmp_path / f"benchmark-data-{r}-pipeline-0-tensor-0.json" for r in range(2)]
+    for f in files:
+        f.write_bytes(b'{"type":"header"}\n{"type":"window","iteration":0}\n')
+    counter = WindowCounter(tmp_path)
+    assert counter.counts() == {f.name: 1 for f in files}
+    with open(files[1], "ab") as f:
+        f.write(b'{"type":"window","itera')  # torn: the writer has not finished the line
+    assert counter.counts()[files[1].name] == 1
+    with open(files[1], "ab") as f:
+        f.write(b'tion":1}\n{"type":"event"}\n')
+    assert counter.counts()[files[1].name] == 2
+    start = time.monotonic()
+    counter.wait_for(world_size=2, windows=2, wait_s=0.5, poll_s=0.05)  # rank 0's second window never comes
+    assert time.monotonic() - start >= 0.5
+    start = time.monotonic()
+    counter.wait_for(world_size=2, windows=1, wait_s=5.0)
+    assert time.monotonic() - start < 1.0

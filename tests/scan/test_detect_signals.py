@@ -106,3 +106,42 @@ def test_pp_only_ranks_compare_layer_by_layer():
     assert [r for r, f in stage.findings.items() if f.flagged] == [2] and 1.4 < stage.findings[2].slowdown < 1.6
     detection = detect(pipeline)
     assert [s.ranks for s in detection.suspects] == [[2]] and "per-layer compute" in detection.suspects[0].evidence[0]
+
+
+def pipeline_rows(factors: dict[int, float], iterations: int = 12) -> tuple[dict, dict]:
+    """PP=2 x DP=2 (rank 1 and 3 form replica 1): compute tasks scaled by `factors`, and the
+    replica's messages, with rank 3 waiting 20 ms for each of rank 1's activations."""
+    compute, messages = [], []
+    for it in range(iterations):
+        for rank in range(4):
+            for task in range(8):
+                busy = 10e6 * RNG.lognormal(0, 0.05) * factors.get(rank, 1.0)
+                compute.append((rank, it, task % 2, 0, task // 2, it * 1e9 + task * 1e7, busy))
+        for microbatch in range(4):
+            at = it * 1e9 + microbatch * 1e8
+            for src, dst, late in ((0, 2, 0.5e6), (1, 3, 20e6)):  # forward: the receiver posts first
+                messages.append((src, dst, it, 0, at + late, at + late + 1e5, at, at + late + 2e5, 4096))
+            for src, dst in ((2, 0), (3, 1)):  # backward: the gradient is ready before it is wanted
+                messages.append((src, dst, it, 1, at, at + 1e5, at + 5e5, at + 6e5, 4096))
+    return (table(compute, ("rank", "iteration", "kind", "chunk", "microbatch", "start", "busy")),
+            table(messages, ("src", "dst", "iteration", "backward", "send_start", "send_end", "recv_start", "recv_end",
+                             "bytes")))
+
+
+def test_a_pipeline_neighbour_of_a_much_slower_rank_is_explained_unless_it_has_evidence_of_its_own():
+    """On a shared host the stage after a stalled rank runs in the stalled rank's bursts and can
+    compute 1.3x its peer: it is explained, not named. Starved of CPU as well, it is named."""
+    compute, messages = pipeline_rows({1: 3.0, 3: 1.3})
+    job = data(dp=2, pp=2, compute=compute)
+    job.p2p = messages
+    detection = detect(job)
+    assert detection.compute.findings[3].flagged  # compute alone would name it
+    assert [s.ranks for s in detection.suspects] == [[1]]
+    assert any("rank 3" in note and "pipeline with rank 1" in note for note in detection.notes), detection.notes
+    job.host = host_rows({3: 6.0})
+    assert sorted(s.ranks[0] for s in detect(job).suspects) == [1, 3]
+    # Two ranks slowed alike in one pipeline: neither is the other's shadow.
+    compute, messages = pipeline_rows({1: 1.6, 3: 1.6})
+    alike = data(dp=2, pp=2, compute=compute)
+    alike.p2p = messages
+    assert sorted(s.ranks[0] for s in detect(alike).suspects) == [1, 3]

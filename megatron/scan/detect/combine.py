@@ -123,6 +123,7 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
                                           f"({link.bandwidth_gbps:.3f} GB/s effective), {link.z:.1f} standard errors"],
                                 details={"link": _plain(link)}))
     suspects = _drop_tensor_parallel_victims(data, stage2, suspects, notes)
+    suspects = _drop_pipeline_victims(data, stage2, stage3, stage4, suspects, notes)
     suspects.sort(key=lambda s: (-s.confidence, s.ranks))
     comparable = (any(f.method != "history" for f in stage1.findings.values()) or stage2.instances > 0
                   or len(stage3.links) > 0)
@@ -195,6 +196,39 @@ def _drop_tensor_parallel_victims(data: DetectionInput, stage2: ArrivalStage, su
                 notes.append(f"{data.label(suspect.ranks[0])} computes {suspect.slowdown:.2f}x its peers but arrives "
                              f"early at collectives while its TP peer {culprit.ranks[0]} ({culprit.slowdown:.2f}x) "
                              f"arrives last: counted as waiting for it, not named")
+                continue
+        kept.append(suspect)
+    return kept
+
+
+def _drop_pipeline_victims(data: DetectionInput, stage2: ArrivalStage, stage3: PipelineStage, stage4: HostStage,
+                           suspects: list[Suspect], notes: list[str], *, margin: float = 1.5) -> list[Suspect]:
+    """A pipeline neighbour of a much slower rank (same DP replica, another stage) runs its work in
+    bursts, as the slow rank's messages arrive, and so at the moments it competes hardest for the
+    host's CPUs (or, on a GPU, behind receive kernels spinning on its stream): its compute can look
+    somewhat slower than its same-stage peers' although nothing is wrong with it. It is a victim
+    when the other is `margin` times slower or more, the neighbours waited longer for the other's
+    messages than for its own, and it has no evidence of its own (not starved of CPU, not arriving
+    last at collectives more than chance allows). Two ranks slow at once in one pipeline are both
+    kept when the weaker one has evidence of its own."""
+    def own_evidence(rank: int) -> bool:
+        arrival, starved = stage2.findings.get(rank), stage4.findings.get(rank)
+        return bool((arrival is not None and arrival.z > 1.0) or (starved is not None and starved.flagged))
+
+    kept = []
+    for suspect in suspects:
+        if suspect.kind == "rank" and suspect.slowdown == suspect.slowdown and not own_evidence(suspect.ranks[0]):
+            me = data.roles[suspect.ranks[0]]
+            culprit = next((other for other in suspects if other.kind == "rank" and other is not suspect
+                            and data.roles[other.ranks[0]].dp == me.dp and data.roles[other.ranks[0]].pp != me.pp
+                            and other.slowdown >= margin * suspect.slowdown
+                            and stage3.producer_wait_ms.get(other.ranks[0], 0.0)
+                            > stage3.producer_wait_ms.get(suspect.ranks[0], 0.0)), None)
+            if culprit is not None:
+                notes.append(f"{data.label(suspect.ranks[0])} computes {suspect.slowdown:.2f}x its peers but shares a "
+                             f"pipeline with rank {culprit.ranks[0]} ({culprit.slowdown:.2f}x), whose messages its "
+                             f"neighbours waited for longer, and has no evidence of its own (not starved of CPU, not "
+                             f"late at collectives): counted as running in the slow rank's bursts, not named")
                 continue
         kept.append(suspect)
     return kept

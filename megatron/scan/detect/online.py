@@ -25,15 +25,40 @@ from megatron.app.plugins import Plugin, register_plugin
 MIN_ITERATIONS = 6
 
 
-def _windows_on_disk(directory: Path) -> dict[str, int]:
-    counts = {}
-    for path in directory.glob("benchmark-data-*.json"):
-        try:
-            with open(path, "rb") as f:
-                counts[path.name] = sum(1 for line in f if line.startswith(b'{"type":"window"'))
-        except OSError:
-            counts[path.name] = 0
-    return counts
+class WindowCounter:
+    """Windows each rank's trace file holds so far, read incrementally: each poll reads only what
+    was appended since the last one (a whole-file re-read on every poll grew with the run)."""
+
+    MARK = b'{"type":"window"'
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        self._files: dict[str, list] = {}  # name -> [offset, windows, unfinished last line]
+
+    def counts(self) -> dict[str, int]:
+        for path in self.directory.glob("benchmark-data-*.json"):
+            state = self._files.setdefault(path.name, [0, 0, b""])
+            try:
+                with open(path, "rb") as f:
+                    f.seek(state[0])
+                    appended = f.read()
+            except OSError:
+                continue
+            state[0] += len(appended)
+            lines = (state[2] + appended).split(b"\n")
+            state[2] = lines.pop()  # a line still being written
+            state[1] += sum(1 for line in lines if line.startswith(self.MARK))
+        return {name: state[1] for name, state in self._files.items()}
+
+    def wait_for(self, world_size: int, windows: int, wait_s: float, poll_s: float = 0.25) -> None:
+        """Until every rank's file holds `windows` windows (other ranks' writers append theirs a
+        little after rank 0), or `wait_s` passed: then the analysis goes on with what is there."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            counts = self.counts()
+            if len(counts) >= world_size and min(counts.values()) >= windows:
+                return
+            time.sleep(poll_s)
 
 
 def analyze(trace_dir: str, first_iteration: int, last_iteration: int) -> dict | None:
@@ -64,7 +89,7 @@ def analyze(trace_dir: str, first_iteration: int, last_iteration: int) -> dict |
     return result
 
 
-def _analysis_process(trace_dir: str, requests, results) -> None:
+def _analysis_process(trace_dir: str, world_size: int, wait_s: float, requests, results) -> None:
     """The analyses run here, in a process of their own at low CPU priority: in a thread of rank 0
     they held its interpreter lock and slowed rank 0's training enough to be named themselves
     (measured: 4 ranks on 2 cores, rank 0 named from a few windows after the analyses grew)."""
@@ -73,6 +98,7 @@ def _analysis_process(trace_dir: str, requests, results) -> None:
     except OSError:
         pass
     parent = os.getppid()
+    windows = WindowCounter(trace_dir)
     while True:
         try:
             request = requests.get(timeout=2.0)
@@ -82,8 +108,12 @@ def _analysis_process(trace_dir: str, requests, results) -> None:
             continue
         if request is None:
             return
+        windows_done, first_iteration, last_iteration = request
         try:
-            results.put(analyze(trace_dir, *request))
+            # Waiting for the other ranks' windows happens here too, not in rank 0, whose
+            # training it slowed (the throttled rank's windows come late, and rank 0 polled).
+            windows.wait_for(world_size, windows_done, wait_s)
+            results.put(analyze(trace_dir, first_iteration, last_iteration))
         except Exception as exc:  # noqa: BLE001 - a failed analysis must never stop training
             results.put({"error": repr(exc)})
 
@@ -106,7 +136,8 @@ class OnlineDetector:
         context = multiprocessing.get_context("spawn")  # no copy of the training process's state
         self._to_worker, self._from_worker = context.Queue(), context.Queue()
         self.worker = context.Process(target=_analysis_process, name="megascan-online-detect", daemon=True,
-                                      args=(str(self.trace_dir), self._to_worker, self._from_worker))
+                                      args=(str(self.trace_dir), world_size, wait_s, self._to_worker,
+                                            self._from_worker))
         self.worker.start()
         self.thread = threading.Thread(target=self._loop, name="megascan-online-detect", daemon=True)
         self.thread.start()
@@ -138,15 +169,9 @@ class OnlineDetector:
                 print(f"[megascan] online detection failed: {exc!r}", file=sys.stderr, flush=True)
 
     def _run(self, windows_done: int, first_iteration: int, last_iteration: int) -> None:
-        deadline = time.monotonic() + self.wait_s
-        while time.monotonic() < deadline:  # other ranks' writers append their window a little later
-            counts = _windows_on_disk(self.trace_dir)
-            if len(counts) >= self.world_size and min(counts.values()) >= windows_done:
-                break
-            time.sleep(0.2)
         if not self.worker.is_alive():
             raise RuntimeError(f"the analysis process ended (exit status {self.worker.exitcode})")
-        self._to_worker.put((first_iteration, last_iteration))
+        self._to_worker.put((windows_done, first_iteration, last_iteration))
         while True:  # the answer, or the worker's death
             try:
                 result = self._from_worker.get(timeout=1.0)
