@@ -42,16 +42,37 @@ def pipeline_analysis(data: DetectionInput, *, z_link: float = 4.0, min_excess_m
     delivery = np.maximum(t["recv_end"] - ready, 0) / 1e6  # ms
     producer_wait = np.maximum(t["send_start"] - t["recv_start"], 0) / 1e6
     links: dict[tuple[int, int], LinkFinding] = {}
-    pairs = np.unique(np.stack([t["src"], t["dst"]], axis=1), axis=0)
+    pairs, pair_id = np.unique(np.stack([t["src"], t["dst"]], axis=1), axis=0, return_inverse=True)
+    pair_id = pair_id.reshape(-1)
     log_delivery = np.log(delivery + 0.05)  # 50 µs floor: sub-resolution deliveries are all "instant"
-    for src, dst in pairs:
-        mine = (t["src"] == src) & (t["dst"] == dst)
+    # A message is compared with messages of its own direction (activations forward, gradients
+    # backward) on the other links: a receiver that posted its receive long before the data came
+    # sleeps and must be woken, which on a busy host takes milliseconds, so the direction whose
+    # receives are posted early (backward, in 1F1B) is slower on every link alike.
+    kind = t["backward"].astype(bool)
+    residual = np.zeros(len(delivery))
+    baseline_of = np.zeros(len(delivery))
+    for index in range(len(pairs)):
+        mine = pair_id == index
+        for k in (False, True):
+            these = mine & (kind == k)
+            if not these.any():
+                continue
+            others = ~mine & (kind == k)
+            if not others.any():
+                others = ~mine  # no other link carries this direction (PP=2, DP=1): all other links
+            if not others.any():
+                continue
+            residual[these] = log_delivery[these] - np.median(log_delivery[others])
+            baseline_of[these] = np.median(delivery[others])
+    for index, (src, dst) in enumerate(pairs):
+        mine = pair_id == index
         others = ~mine
         if not others.any():
             continue
-        baseline = float(np.median(delivery[others]))
-        spread = max(_MAD * float(np.median(np.abs(log_delivery[others] - np.median(log_delivery[others])))), 0.05)
-        shift = float(np.median(log_delivery[mine]) - np.median(log_delivery[others]))
+        baseline = float(np.median(baseline_of[mine]))
+        spread = max(_MAD * float(np.median(np.abs(residual[others] - np.median(residual[others])))), 0.05)
+        shift = float(np.median(residual[mine]))
         z = shift / (1.2533 * spread * np.sqrt(1 / mine.sum() + 1 / others.sum()))
         median = float(np.median(delivery[mine]))
         gbps = float(np.median(t["bytes"][mine] / np.maximum(delivery[mine], 1e-6) / 1e6))
