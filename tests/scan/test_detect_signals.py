@@ -108,6 +108,28 @@ def test_pp_only_ranks_compare_layer_by_layer():
     assert [s.ranks for s in detection.suspects] == [[2]] and "per-layer compute" in detection.suspects[0].evidence[0]
 
 
+def two_rank_rows(factor) -> dict[str, np.ndarray]:
+    """DP=2 (one stage of two ranks), 12 iterations of 8 tasks; factor(rank, iteration) scales a task."""
+    rows = []
+    for it in range(12):
+        for rank in range(2):
+            for task in range(8):
+                busy = 10e6 * RNG.lognormal(0, 0.05) * factor(rank, it)
+                rows.append((rank, it, task % 2, 0, task // 2, it * 1e9 + task * 1e7, busy))
+    return table(rows, ("rank", "iteration", "kind", "chunk", "microbatch", "start", "busy"))
+
+
+def test_an_onset_must_be_the_ranks_own_not_its_peers_warm_up():
+    """In a stage of two, a peer slow in the first iterations mirrors as a step up of the other's
+    ratio; the other's own busy time did not move, so it is not an onset. A rank that does slow
+    from mid-run is still found, with the iteration it began."""
+    warm_peer = peer_comparison(data(world=2, dp=2, compute=two_rank_rows(lambda r, it: 2.2 if r == 1 and it < 4 else 1.0)))
+    assert not any(f.flagged for f in warm_peer.findings.values())
+    slowed = peer_comparison(data(world=2, dp=2, compute=two_rank_rows(lambda r, it: 1.8 if r == 0 and it >= 8 else 1.0)))
+    assert slowed.findings[0].flagged and slowed.findings[0].onset_iteration == 8
+    assert not slowed.findings[1].flagged
+
+
 def pipeline_rows(factors: dict[int, float], iterations: int = 12) -> tuple[dict, dict]:
     """PP=2 x DP=2 (rank 1 and 3 form replica 1): compute tasks scaled by `factors`, and the
     replica's messages, with rank 3 waiting 20 ms for each of rank 1's activations."""

@@ -98,14 +98,15 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
             others = np.delete(matrix, j, axis=1)
             valid = ~np.isnan(matrix[:, j]) & (np.sum(~np.isnan(others), axis=1) > 0)
             instance_ratio = matrix[valid, j] - np.nanmedian(others[valid], axis=1) if valid.any() else np.zeros(0)
-            compared[int(rank)] = (per_iteration, iterations, instance_ratio, peers, keys[valid])
+            own = totals[:, j] if len(iterations) else np.zeros(0)
+            compared[int(rank)] = (per_iteration, iterations, instance_ratio, peers, keys[valid], own)
     iteration_noise = series_noise([r for r, *_ in compared.values()], default=0.1)
-    for rank, (per_iteration, iterations, instance_ratio, peers, keys) in compared.items():
+    for rank, (per_iteration, iterations, instance_ratio, peers, keys, own) in compared.items():
         if not len(per_iteration):
             continue
         findings[rank] = _finding(rank, peers, per_iteration, iteration_noise, instance_ratio, keys, pair_noise,
                                   z_instance, z_rank, min_slowdown, min_consistency,
-                                  iterations_of=iterations)
+                                  iterations_of=iterations, own=own)
     # Ranks with no same-stage peer (PP-only layouts): with per-layer spans, every transformer
     # layer of any stage runs the same kernels, so ranks of one TP index compare layer by layer.
     lonely = [r for r in data.world if r not in findings]
@@ -153,15 +154,15 @@ def _layer_peers(data: DetectionInput, lonely: list[int], z_rank: float, min_slo
             valid = ~np.isnan(matrix[:, j]) & (np.sum(~np.isnan(others), axis=1) > 0)
             if valid.sum() >= 2:
                 per_rank[rank] = (matrix[valid, j] - np.nanmedian(others[valid], axis=1),
-                                  [r for r in ranks if r != rank], iterations[valid])
+                                  [r for r in ranks if r != rank], iterations[valid], matrix[valid, j])
     noise = series_noise([r for r, *_ in per_rank.values()], default=0.1)
     for rank in lonely:
         if rank not in per_rank:
             continue
-        ratio, peers, iterations = per_rank[rank]
+        ratio, peers, iterations, own = per_rank[rank]
         finding = _finding(rank, peers, ratio, noise, np.zeros(0), np.zeros((0, 4), dtype=np.int64), 1.0, 2.0,
                            z_rank, min_slowdown, min_consistency,
-                           iterations_of=iterations)
+                           iterations_of=iterations, own=own)
         finding.method = "layers"
         findings[rank] = finding
     return findings
@@ -169,7 +170,10 @@ def _layer_peers(data: DetectionInput, lonely: list[int], z_rank: float, min_slo
 
 def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_noise: float,
              instance_ratio: np.ndarray, keys: np.ndarray, pair_noise: float, z_instance: float, z_rank: float,
-             min_slowdown: float, min_consistency: float, iterations_of: np.ndarray) -> ComputeFinding:
+             min_slowdown: float, min_consistency: float, iterations_of: np.ndarray,
+             own: np.ndarray | None = None) -> ComputeFinding:
+    """`per_iteration`: the rank's log ratio to its peers per iteration; `own`: its own log busy
+    per iteration (same order), which an onset must show too (see own_share_of_onset)."""
     median = float(np.median(per_iteration))
     z = median / (1.2533 * iteration_noise / np.sqrt(len(per_iteration)))
     consistent = bool(np.mean(per_iteration > 0) >= min_consistency) if len(per_iteration) >= 4 else True
@@ -177,7 +181,7 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
     onset = None
     if not flagged:  # a fault that began mid-run barely moves the whole series' median
         change = significant_onset(per_iteration, iteration_noise, z_rank, min_slowdown)
-        if change is not None:
+        if change is not None and (own is None or own_share_of_onset(own, change) >= MIN_OWN_SHARE):
             flagged, median, z, onset = True, change[0], change[1], int(iterations_of[change[2]])
     slow = instance_ratio > max(z_instance * pair_noise, np.log(1.02))
     worst = np.argsort(-instance_ratio)[:5]
@@ -210,6 +214,21 @@ def significant_onset(series: np.ndarray, noise: float, z_rank: float,
     if change is not None and change[1] > z_rank + ONSET_PENALTY and np.exp(change[0]) >= min_ratio:
         return change
     return None
+
+
+# Share of an onset (a step up of a rank's ratio to its peers) that its own busy time must show.
+MIN_OWN_SHARE = 0.5
+
+
+def own_share_of_onset(own: np.ndarray, change: tuple[float, float, int]) -> float:
+    """How much of a ratio's step up at change[2] the rank's own log busy series shows (its own
+    later median over its earlier one, as a share of the ratio's shift). A ratio steps up when the
+    rank slows or when its peers speed up; in a stage of two, a peer that was slow in the first
+    iterations (warm-up, a burst of host contention) mirrors as an onset of the other one, whose
+    own busy time has not moved."""
+    shift, _, split = change
+    own_shift = float(np.median(own[split:]) - np.median(own[:split]))
+    return own_shift / shift if shift > 0 else 0.0
 
 
 def onset_shift(series: np.ndarray, noise: float, *, min_before: int = 3,
