@@ -183,5 +183,6 @@ class Tracer:
             return
         self.flush_window()
         self.closed = True
+        self.counters.close()
         self.collectives.uninstall()
         self.writer.close({"windows": self.windows_written, **end_record})
