@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import queue
+import subprocess
 import sys
 import threading
 import time
@@ -89,43 +90,43 @@ def analyze(trace_dir: str, first_iteration: int, last_iteration: int) -> dict |
     return result
 
 
-def _analysis_process(trace_dir: str, world_size: int, wait_s: float, requests, results) -> None:
-    """The analyses run here, in a process of their own at low CPU priority: in a thread of rank 0
-    they held its interpreter lock and slowed rank 0's training enough to be named themselves
-    (measured: 4 ranks on 2 cores, rank 0 named from a few windows after the analyses grew)."""
-    try:
-        os.nice(10)
-    except OSError:
-        pass
-    parent = os.getppid()
+def serve() -> None:
+    """The analysis process (`OnlineDetector` starts it): one JSON request per line on stdin
+    (windows finished, first and last iteration), one JSON answer per line on the original
+    stdout; anything printed goes to stderr. It ends when stdin closes: when rank 0 closes it,
+    or when rank 0 dies (the pipe closes with it, so nothing is left behind)."""
+    trace_dir, world_size, wait_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     windows = WindowCounter(trace_dir)
-    while True:
-        try:
-            request = requests.get(timeout=2.0)
-        except queue.Empty:
-            if os.getppid() != parent:  # rank 0 died without closing: nothing is left behind
-                return
-            continue
-        if request is None:
-            return
-        windows_done, first_iteration, last_iteration = request
+    for line in sys.stdin:
+        windows_done, first_iteration, last_iteration = json.loads(line)
         try:
             # Waiting for the other ranks' windows happens here too, not in rank 0, whose
             # training it slowed (the throttled rank's windows come late, and rank 0 polled).
             windows.wait_for(world_size, windows_done, wait_s)
-            results.put(analyze(trace_dir, first_iteration, last_iteration))
+            result = analyze(trace_dir, first_iteration, last_iteration)
         except Exception as exc:  # noqa: BLE001 - a failed analysis must never stop training
-            results.put({"error": repr(exc)})
+            result = {"error": repr(exc)}
+        answers.write(json.dumps(result) + "\n")
+        answers.flush()
+
+
+# The analysis process's priority: CPU left over by training, not a share of a busy host.
+ANALYSIS_NICE = 10
 
 
 class OnlineDetector:
     """A thread of rank 0 that hands each request (windows finished, iterations of the newest
-    windows) to the analysis process and reports its answer; training never waits for either."""
+    windows) to the analysis process and reports its answer; training never waits for either.
+
+    The analysis process is a fresh interpreter that imports only the analysis code (a
+    multiprocessing child re-imported the trainer's main module, torch and megatron.core: about
+    3 s of CPU at full priority beside rank 0, which then was named slow in the first window,
+    measured on 4 ranks over 2 cores), lowered to nice ANALYSIS_NICE as soon as it exists."""
 
     def __init__(self, trace_dir: str | os.PathLike, world_size: int, *, windows_kept: int = 2,
                  wait_s: float = 30.0) -> None:
-        import multiprocessing
-
         self.trace_dir = Path(trace_dir)
         self.world_size = world_size
         self.windows_kept = windows_kept
@@ -133,12 +134,16 @@ class OnlineDetector:
         self.max_backlog = 8
         self.requests: queue.Queue = queue.Queue()
         self.alerts: list[dict] = []
-        context = multiprocessing.get_context("spawn")  # no copy of the training process's state
-        self._to_worker, self._from_worker = context.Queue(), context.Queue()
-        self.worker = context.Process(target=_analysis_process, name="megascan-online-detect", daemon=True,
-                                      args=(str(self.trace_dir), world_size, wait_s, self._to_worker,
-                                            self._from_worker))
-        self.worker.start()
+        root = str(Path(__file__).resolve().parents[3])  # where this package is imported from
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        self.worker = subprocess.Popen(
+            [sys.executable, "-c", "from megatron.scan.detect.online import serve; serve()",
+             str(self.trace_dir), str(world_size), str(wait_s)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
+        try:
+            os.setpriority(os.PRIO_PROCESS, self.worker.pid, ANALYSIS_NICE)
+        except (OSError, AttributeError):  # not POSIX: it runs at training's priority
+            pass
         self.thread = threading.Thread(target=self._loop, name="megascan-online-detect", daemon=True)
         self.thread.start()
 
@@ -148,11 +153,16 @@ class OnlineDetector:
     def close(self, timeout: float = 60.0) -> None:
         self.requests.put(None)
         self.thread.join(timeout)
-        self._to_worker.put(None)
-        self.worker.join(10)
-        if self.worker.is_alive():
+        try:
+            self.worker.stdin.close()  # the analysis process's end of input: it exits
+        except OSError:
+            pass
+        try:
+            self.worker.wait(10)
+        except subprocess.TimeoutExpired:  # an analysis still running when training ended
             self.worker.kill()
-            self.worker.join()
+            self.worker.wait()
+        self.worker.stdout.close()
 
     def _loop(self) -> None:
         while True:
@@ -169,16 +179,15 @@ class OnlineDetector:
                 print(f"[megascan] online detection failed: {exc!r}", file=sys.stderr, flush=True)
 
     def _run(self, windows_done: int, first_iteration: int, last_iteration: int) -> None:
-        if not self.worker.is_alive():
-            raise RuntimeError(f"the analysis process ended (exit status {self.worker.exitcode})")
-        self._to_worker.put((windows_done, first_iteration, last_iteration))
-        while True:  # the answer, or the worker's death
-            try:
-                result = self._from_worker.get(timeout=1.0)
-                break
-            except queue.Empty:
-                if not self.worker.is_alive():
-                    raise RuntimeError(f"the analysis process ended (exit status {self.worker.exitcode})") from None
+        try:
+            self.worker.stdin.write(json.dumps([windows_done, first_iteration, last_iteration]) + "\n")
+            self.worker.stdin.flush()
+            answer = self.worker.stdout.readline()
+        except (BrokenPipeError, ValueError):
+            answer = ""
+        if not answer:
+            raise RuntimeError(f"the analysis process ended (exit status {self.worker.poll()})")
+        result = json.loads(answer)
         if result is None:
             return
         if "error" in result:
