@@ -182,7 +182,7 @@ def run_external(repeat: int, iterations: int, keep: str | None, only: str | Non
                 else:
                     outcome = run_scenario(scenario, directory)
                     entry = {"median_ms": outcome.median_ms(first=max(2, scenario.onset + 1)),
-                             "ok": outcome.returncode == 0}
+                             "ok": outcome.returncode == 0, "quota_acted": quota_acted("".join(outcome.fault_output))}
                     if keep:
                         directory.mkdir(parents=True, exist_ok=True)
                         saved.write_text(json.dumps(entry))
@@ -191,6 +191,9 @@ def run_external(repeat: int, iterations: int, keep: str | None, only: str | Non
                     if outcome.returncode != 0:
                         print(f"{scenario.name}: training exited {outcome.returncode}:\n{outcome.stdout[-1500:]}",
                               file=sys.stderr, flush=True)
+                log = directory / "job.log"
+                if "quota_acted" not in entry and log.exists():
+                    entry["quota_acted"] = quota_acted(log.read_text())
                 if entry["ok"]:
                     detection = run_detection(directory, jobs=1, what_if=False)
                     entry.update(score(detection, scenario.expected, scenario.expected_links), verdict=detection.verdict)
@@ -202,11 +205,22 @@ def run_external(repeat: int, iterations: int, keep: str | None, only: str | Non
     return report_external(scenarios, results)
 
 
+QUOTA_LINE = re.compile(r"released rank (\d+) .*the quota stopped it in (\d+) of (\d+) periods")
+
+
+def quota_acted(fault_output: str) -> dict[str, float]:
+    """{rank: share of scheduler periods in which its quota stopped it}, from the fault tool's
+    release lines: how much an external throttle actually bound."""
+    return {m.group(1): int(m.group(2)) / int(m.group(3)) for m in QUOTA_LINE.finditer(fault_output)
+            if int(m.group(3))}
+
+
 def report_external(scenarios: list, results: dict[str, list[dict]]) -> int:
     import statistics
 
-    print("| scenario | ranks | expected | job slowdown | named (hit rate) | runs with a wrong name | verdicts |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| scenario | ranks | expected | job slowdown | quota acted (median share of periods) | named (hit rate) "
+          "| runs with a wrong name | verdicts |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     totals = {"true_positive": 0, "false_positive": 0, "false_negative": 0, "top1": 0, "runs": 0}
     healthy_runs = healthy_alarms = 0
     resolution: list[tuple[float, float]] = []
@@ -221,8 +235,13 @@ def report_external(scenarios: list, results: dict[str, list[dict]]) -> int:
         wrong = sum(1 for r in runs if set(r["named"]) - set(expected))
         verdicts = ", ".join(f"{v} {n}" for v, n in sorted(statistics_counter(r["verdict"] for r in runs).items()))
         failed = len(results[scenario.name]) - len(runs)
+        acted = {}
+        for r in runs:
+            for rank, share in (r.get("quota_acted") or {}).items():
+                acted.setdefault(rank, []).append(share)
+        quota = ", ".join(f"r{rank} {statistics.median(v):.0%}" for rank, v in sorted(acted.items())) or "-"
         print(f"| {scenario.name} | {scenario.nproc} | {expected or '-'} | "
-              f"{'-' if scenario.healthy else f'{slowdown:.2f}x'} | {hits}/{len(runs)} | {wrong}/{len(runs)} | "
+              f"{'-' if scenario.healthy else f'{slowdown:.2f}x'} | {quota} | {hits}/{len(runs)} | {wrong}/{len(runs)} | "
               f"{verdicts}{f', {failed} failed to train' if failed else ''} |", flush=True)
         for r in runs:
             for key in ("true_positive", "false_positive", "false_negative"):
@@ -253,22 +272,33 @@ def report_external(scenarios: list, results: dict[str, list[dict]]) -> int:
 ONLINE_ALERT = re.compile(r"online detection \(iterations (\d+)-(\d+)\): rank (\d+) ")
 
 
-def run_online(repeat: int, iterations: int) -> None:
-    """--online-detect against a throttle applied from outside mid-run (one-iteration windows):
-    time from the throttle to the first alert naming its rank, in windows and seconds."""
+def windows_between(applied: int, last: int, interval: int, continuous: int) -> int:
+    """Traced windows from the first one holding an iteration >= `applied` to the one ending at
+    `last`, both counted (window k traces iterations k*interval .. k*interval + continuous - 1)."""
+    first_window = max(0, -(-(applied - continuous + 1) // interval))
+    return (last - continuous + 1) // interval - first_window + 1
+
+
+def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1)) -> None:
+    """--online-detect against a throttle applied from outside mid-run (windows of `window` =
+    (--trace-interval, --continuous-trace-iterations)): time from the throttle to the first alert
+    naming its rank, in traced windows and seconds."""
     import statistics
 
     from fault_runs import Scenario, Throttle
     from fault_runs import run as run_scenario
 
     onset = iterations // 2
+    interval, continuous = window
+    extra = ["--online-detect", "--trace-interval", str(interval), "--continuous-trace-iterations", str(continuous)]
+    shape = f"windows {continuous}/{interval}"
     scenarios = [
-        Scenario(name=f"pp2-dp2 throttle r1 0.3 core from it {onset}", nproc=4, layout=LAYOUTS["pp2-dp2"][1],
-                 expected=[1], throttles=[Throttle(rank=1, fraction=0.3, onset=onset)], iterations=iterations,
-                 extra=["--online-detect"]),
-        Scenario(name=f"tp2-pp2 throttle r2 0.3 core from it {onset}", nproc=4, layout=LAYOUTS["tp2-pp2"][1],
-                 expected=[2], throttles=[Throttle(rank=2, fraction=0.3, onset=onset)], iterations=iterations,
-                 extra=["--online-detect"]),
+        Scenario(name=f"pp2-dp2 throttle r1 0.3 core from it {onset}, {shape}", nproc=4,
+                 layout=LAYOUTS["pp2-dp2"][1], expected=[1], throttles=[Throttle(rank=1, fraction=0.3, onset=onset)],
+                 iterations=iterations, extra=extra),
+        Scenario(name=f"tp2-pp2 throttle r2 0.3 core from it {onset}, {shape}", nproc=4,
+                 layout=LAYOUTS["tp2-pp2"][1], expected=[2], throttles=[Throttle(rank=2, fraction=0.3, onset=onset)],
+                 iterations=iterations, extra=extra),
     ]
     rows = {s.name: [] for s in scenarios}
     for round_ in range(repeat):
@@ -286,7 +316,8 @@ def run_online(repeat: int, iterations: int) -> None:
                 last, rank = int(match.group(2)), int(match.group(3))
                 if rank in scenario.expected and last >= applied:
                     if first is None:
-                        first = (last - applied + 1, at - outcome.fault_started[0] if outcome.fault_started else float("nan"))
+                        first = (windows_between(applied, last, interval, continuous),
+                                 at - outcome.fault_started[0] if outcome.fault_started else float("nan"))
                 else:  # another rank, or the right one before the throttle was applied
                     wrong.append(f"rank {rank} at iteration {last}")
             rows[scenario.name].append({"ok": outcome.returncode == 0, "first": first, "wrong": len(wrong)})
@@ -349,6 +380,9 @@ def main() -> int:
                         help="--external: only scenarios whose name contains TEXT (and the healthy ones)")
     parser.add_argument("--online", action="store_true",
                         help="--online-detect against a throttle applied mid-run: time to detect (--repeat runs each)")
+    parser.add_argument("--online-window", default="1:1", metavar="INTERVAL:CONTINUOUS",
+                        help="--online: trace windows of CONTINUOUS iterations out of every INTERVAL (default 1:1, every "
+                             "iteration its own window; --trace's defaults are 5:2)")
     parser.add_argument("--jitter-sweep", action="store_true", help="synthetic detection-limit curve over jitter 10-40%%")
     parser.add_argument("--max-ranks", type=int, default=1024, help="skip scenarios with more ranks than this")
     parser.add_argument("--keep", default=None, metavar="DIR",
@@ -357,7 +391,13 @@ def main() -> int:
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
     if args.online:
-        run_online(args.repeat, args.iterations)
+        try:
+            interval, continuous = (int(x) for x in args.online_window.split(":"))
+        except ValueError:
+            parser.error(f"--online-window takes INTERVAL:CONTINUOUS (e.g. 5:2), got {args.online_window!r}")
+        if not 1 <= continuous <= interval:
+            parser.error(f"--online-window needs 1 <= CONTINUOUS <= INTERVAL, got {args.online_window}")
+        run_online(args.repeat, args.iterations, (interval, continuous))
         if not args.external:
             return 0
     if args.external:

@@ -23,12 +23,16 @@ Two modes:
     are added until the 95% confidence interval of the mean ratio is within --target (default
     +-1%) or --max-pairs is reached. The extra time per iteration divided by the events recorded
     per iteration (read from the traced runs' files) is the per-event cost, printed beside the
-    cost of one recorded span timed in a loop here.
+    cost of one recorded span timed in a loop here. With --side-by-side the two runs of a pair run
+    at the same time, each on its own cores (the traced one swaps cores every pair): a host whose
+    speed changes from second to second (a VM sharing its CPUs) slows both alike, which whole runs
+    one after the other cannot cancel.
   --mode interleaved: traced and untraced iterations of one run (--trace-interval 4
     --continuous-trace-iterations 1), compared cycle by cycle; also prints the tracer's own CPU
     time and the always-on observers' (watchdog, metrics) cost per iteration.
 Usage:
   python benchmarks/trace_overhead.py [--layouts pp2] [--iters 60] [--target 0.01] [--max-pairs 40]
+  python benchmarks/trace_overhead.py --side-by-side --layouts single --iters 150 --max-pairs 80
   python benchmarks/trace_overhead.py --mode interleaved [--iters 400] [--layouts pp2-dp2,tp2-pp2]
 """
 from __future__ import annotations
@@ -42,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 # layout -> (ranks, flags). Two ranks on this 2-core machine is one process per core, the least
 # noisy wall-clock comparison; the four-rank layouts share cores.
 LAYOUTS = {
+    "single": (1, []),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "dp2": (2, []),
     "pp2-dp2": (4, ["--pipeline-model-parallel-size", "2"]),
@@ -60,8 +66,8 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+)")
 
 
-def run_job(layout: str, iters: int, flags: list[str]) -> dict[int, float]:
-    """Per-iteration time (ms) of one run of the layout with `flags`, keyed by 0-based iteration."""
+def start_job(layout: str, iters: int, flags: list[str], cpus: set[int] | None = None) -> subprocess.Popen:
+    """Start one run of the layout with `flags` (torchrun and its ranks confined to `cpus` if given)."""
     if layout not in LAYOUTS:
         raise SystemExit(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
     ranks, layout_flags = LAYOUTS[layout]
@@ -69,10 +75,60 @@ def run_job(layout: str, iters: int, flags: list[str]) -> dict[int, float]:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
                "--master-port", str(_free_port()), "pretrain_gpt.py", *MODEL, *layout_flags,
                "--train-iters", str(iters), "--log-interval", "1", "--lr-decay-style", "constant", *flags]
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=pin)
+
+
+def job_times(proc: subprocess.Popen, layout: str) -> dict[int, float]:
+    """Per-iteration time (ms) of a started run, keyed by 0-based iteration, once it has ended."""
+    stdout, stderr = proc.communicate()
     if proc.returncode != 0:
-        raise SystemExit(f"{layout} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return {int(m.group(1)) - 1: float(m.group(2)) for m in LINE.finditer(proc.stdout)}
+        raise SystemExit(f"{layout} run failed:\n{stdout[-2000:]}\n{stderr[-2000:]}")
+    return {int(m.group(1)) - 1: float(m.group(2)) for m in LINE.finditer(stdout)}
+
+
+def timed_lines(proc: subprocess.Popen, layout: str) -> dict[int, tuple[float, float]]:
+    """Per-iteration (time ms, monotonic arrival of its log line) of a started run, once it has
+    ended; stderr is drained by a thread so that neither pipe can fill."""
+    errors: list[str] = []
+    drain = threading.Thread(target=lambda: errors.append(proc.stderr.read()), daemon=True)
+    drain.start()
+    times, lines = {}, []
+    for line in proc.stdout:
+        lines.append(line)
+        match = LINE.search(line)
+        if match:
+            times[int(match.group(1)) - 1] = (float(match.group(2)), time.monotonic())
+    proc.wait()
+    drain.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{layout} run failed:\n{''.join(lines)[-2000:]}\n{''.join(errors)[-2000:]}")
+    return times
+
+
+def side_by_side_times(procs: dict[str, subprocess.Popen], layout: str, warmup: int) -> dict[str, dict[int, float]]:
+    """Iteration times of runs started together, keeping only the iterations every run spent
+    beside the others: from the last run's end of warm-up to the first run's end. A run that
+    goes on alone afterwards has the host to itself (a VM's idle CPU speeds its sibling) and
+    would be charged less than it spent side by side."""
+    readers: dict[str, dict] = {}
+    threads = [threading.Thread(target=lambda k=k, p=p: readers.__setitem__(k, timed_lines(p, layout)))
+               for k, p in procs.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if set(readers) != set(procs):
+        raise SystemExit(f"a {layout} run failed (see above)")
+    begin = max(min((at for it, (_, at) in t.items() if it >= warmup), default=float("inf")) for t in readers.values())
+    end = min(max(at for _, at in t.values()) for t in readers.values())
+    return {kind: {it: ms for it, (ms, at) in t.items() if begin <= at <= end} for kind, t in readers.items()}
+
+
+def run_job(layout: str, iters: int, flags: list[str]) -> dict[int, float]:
+    """Per-iteration time (ms) of one run of the layout with `flags`, keyed by 0-based iteration."""
+    return job_times(start_job(layout, iters, flags), layout)
 
 
 def run_layout(layout: str, iters: int, granularity: str, trace_dir: str) -> dict[int, float]:
@@ -215,23 +271,26 @@ def events_per_iteration(trace_dir: str, iterations: int) -> float:
 
 def off_vs_on(layout: str, args: argparse.Namespace) -> dict:
     """Alternate whole runs with MegaScan off and with --trace until the ratio's 95% interval is
-    within args.target (or args.max_pairs); returns the figures of one table row."""
+    within args.target (or args.max_pairs); returns the figures of one table row. With
+    args.side_by_side the two runs of a pair run at the same time, each on its own cores."""
     trace_flags = ["--trace", "--trace-granularity", args.granularity]
     if args.trace_every_iteration:
         trace_flags += ["--trace-interval", "1", "--continuous-trace-iterations", "1"]
+    halves = _core_halves(layout) if args.side_by_side else None
     pairs: list[tuple[float, float]] = []
     events = []
     while len(pairs) < args.max_pairs:
         order = ("off", "on") if len(pairs) % 2 == 0 else ("on", "off")
-        result = {}
-        for kind in order:
-            if kind == "off":
-                result[kind] = trimmed_mean(list(_steady(run_job(layout, args.iters, []), args.warmup)))
-            else:
-                with tempfile.TemporaryDirectory() as trace_dir:
-                    times = run_job(layout, args.iters, [*trace_flags, "--trace-dir", trace_dir])
-                    events.append(events_per_iteration(trace_dir, len(times)))
-                result[kind] = trimmed_mean(list(_steady(times, args.warmup)))
+        with tempfile.TemporaryDirectory() as trace_dir:
+            flags = {"off": [], "on": [*trace_flags, "--trace-dir", trace_dir]}
+            if halves:  # both at once; the traced run takes the other cores in every other pair
+                procs = {kind: start_job(layout, args.iters, flags[kind], cpus)
+                         for kind, cpus in zip(order, halves)}
+                times = side_by_side_times(procs, layout, args.warmup)
+            else:  # one after the other, in the order off,on,on,off,...
+                times = {kind: run_job(layout, args.iters, flags[kind]) for kind in order}
+            events.append(events_per_iteration(trace_dir, args.iters))
+        result = {kind: trimmed_mean(list(_steady(t, args.warmup))) for kind, t in times.items()}
         pairs.append((result["off"], result["on"]))
         ratio, low, high = ratio_interval(pairs)
         print(f"[overhead] {layout} pair {len(pairs)}: off {result['off']:.2f} ms, on {result['on']:.2f} ms; "
@@ -244,6 +303,17 @@ def off_vs_on(layout: str, args: argparse.Namespace) -> dict:
     return {"layout": layout, "pairs": len(pairs), "off_ms": off, "on_ms": off * ratio, "ratio": ratio, "low": low,
             "high": high, "events": per_iteration,
             "event_ns": [off * (r - 1) * 1e6 / per_iteration if per_iteration else float("nan") for r in (ratio, low, high)]}
+
+
+def _core_halves(layout: str) -> tuple[set[int], set[int]]:
+    """Two disjoint sets of this process's CPUs, one core per rank of the layout in each."""
+    ranks = LAYOUTS[layout][0]
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 * ranks:
+        raise SystemExit(f"--side-by-side runs two {ranks}-rank jobs at once, a core per rank: it needs "
+                         f"{2 * ranks} CPUs and this process may use {len(cpus)}; pick a layout of at most "
+                         f"{len(cpus) // 2} rank(s) (e.g. --layouts single) or leave out --side-by-side")
+    return set(cpus[:ranks]), set(cpus[ranks:2 * ranks])
 
 
 def _steady(times: dict[int, float], warmup: int) -> list[float]:
@@ -282,6 +352,10 @@ def main() -> int:
                         help="off-vs-on: stop adding run pairs once the ratio's 95%% interval is within +-TARGET")
     parser.add_argument("--min-pairs", type=int, default=4, help="off-vs-on: run pairs before the first stop test")
     parser.add_argument("--max-pairs", type=int, default=40, help="off-vs-on: most run pairs per layout")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="off-vs-on: run the two runs of each pair at the same time, each on its own cores "
+                             "(needs 2 cores per rank; the traced run swaps cores every pair), so that changes "
+                             "of the host's speed reach both alike")
     args = parser.parse_args()
     interleaved = args.mode == "interleaved"
     args.iters = args.iters or (400 if interleaved else 60)
@@ -295,9 +369,10 @@ def main() -> int:
     cost_ns = span_cost_us() * 1e3
     rows = [off_vs_on(layout, args) for layout in layouts]
     what = "every iteration" if args.trace_every_iteration else "--trace defaults (2 of every 5 iterations)"
+    pairing = ("the two runs of a pair at the same time on their own cores, swapped every pair" if args.side_by_side
+               else "runs alternated off,on,on,off,...")
     print(f"\nMegaScan off vs --trace ({what}, granularity {args.granularity}), CPU ranks, {args.iters} iterations "
-          f"per run (first {args.warmup} left out), runs alternated off,on,on,off,...; a recorded span costs "
-          f"{cost_ns:.0f} ns in a loop")
+          f"per run (first {args.warmup} left out), {pairing}; a recorded span costs {cost_ns:.0f} ns in a loop")
     print(f"{'layout':8s} {'pairs':>5s} {'off ms':>8s} {'on ms':>8s} {'ratio':>7s} {'95% CI':>17s} "
           f"{'events/it':>9s} {'ns/event (95% CI)':>26s}")
     for r in rows:

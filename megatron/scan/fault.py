@@ -233,6 +233,23 @@ class CpuQuota:
                 if tid not in inside:
                     self.moved += _move(self.group / "tasks", tid)
 
+    def held_back(self) -> str:
+        """What the quota did so far, from the group's cpu.stat: in how many scheduler periods it
+        stopped the rank, and for how long. A quota above what the rank asks for binds rarely."""
+        if self.group is None:
+            return ""
+        try:
+            stat = dict(line.split() for line in (self.group / "cpu.stat").read_text().splitlines() if line.strip())
+            periods, throttled = int(stat["nr_periods"]), int(stat["nr_throttled"])
+            seconds = int(stat["throttled_time"]) / 1e9 if "throttled_time" in stat \
+                else int(stat["throttled_usec"]) / 1e6
+        except (OSError, KeyError, ValueError):
+            return ""
+        if not periods:
+            return "the quota never had to act"
+        return (f"the quota stopped it in {throttled} of {periods} periods ({throttled / periods:.0%}), "
+                f"{seconds:.1f} s in all (summed over CPUs)")
+
     def release(self) -> None:
         """Every thread back into the parent cgroup, the group removed. Safe to call twice."""
         if self.group is None:
@@ -355,8 +372,9 @@ def cmd_throttle(args: argparse.Namespace) -> int:
                   f"Ctrl-C releases", flush=True)
             why = _hold(processes, args.duration, stop, tick=quota.sweep_new_threads)
         finally:
+            effect = quota.held_back()
             quota.release()
-        print(f"[fault] released {_describe(processes)} ({why})", flush=True)
+        print(f"[fault] released {_describe(processes)} ({why})" + (f"; {effect}" if effect else ""), flush=True)
         return 0
     finally:
         stop.restore()

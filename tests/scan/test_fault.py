@@ -4,6 +4,7 @@ target ends, and by `release` after the tool itself was killed; nothing may stay
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,6 +92,9 @@ def test_throttle_limits_every_thread_and_ctrl_c_releases(worker):
     tool.send_signal(signal.SIGINT)
     out, _ = tool.communicate(timeout=20)
     assert tool.returncode == 0 and "released rank 3" in out and "SIGINT" in out, out
+    # Two spinning threads want 2 cores against 0.2: the quota acts in (nearly) every period.
+    periods = re.search(r"the quota stopped it in (\d+) of (\d+) periods", out)
+    assert periods and int(periods[2]) >= 10 and int(periods[1]) >= 0.8 * int(periods[2]), out
     assert thread_groups(proc.pid) == before
     assert not (CPU / group.lstrip("/")).exists()
 
