@@ -279,10 +279,12 @@ def windows_between(applied: int, last: int, interval: int, continuous: int) -> 
     return (last - continuous + 1) // interval - first_window + 1
 
 
-def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1)) -> None:
+def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1),
+               fractions: tuple[float, ...] = (0.15, 0.3)) -> None:
     """--online-detect against a throttle applied from outside mid-run (windows of `window` =
     (--trace-interval, --continuous-trace-iterations)): time from the throttle to the first alert
-    naming its rank, in traced windows and seconds."""
+    naming its rank, in traced windows and seconds, and the job's slowdown and how often the quota
+    bound (a quota near what the rank asks for binds rarely and slows it little)."""
     import statistics
 
     from fault_runs import Scenario, Throttle
@@ -292,14 +294,16 @@ def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1)) -
     interval, continuous = window
     extra = ["--online-detect", "--trace-interval", str(interval), "--continuous-trace-iterations", str(continuous)]
     shape = f"windows {continuous}/{interval}"
-    scenarios = [
-        Scenario(name=f"pp2-dp2 throttle r1 0.3 core from it {onset}, {shape}", nproc=4,
-                 layout=LAYOUTS["pp2-dp2"][1], expected=[1], throttles=[Throttle(rank=1, fraction=0.3, onset=onset)],
-                 iterations=iterations, extra=extra),
-        Scenario(name=f"tp2-pp2 throttle r2 0.3 core from it {onset}, {shape}", nproc=4,
-                 layout=LAYOUTS["tp2-pp2"][1], expected=[2], throttles=[Throttle(rank=2, fraction=0.3, onset=onset)],
-                 iterations=iterations, extra=extra),
-    ]
+    scenarios = []
+    for fraction in fractions:
+        scenarios += [
+            Scenario(name=f"pp2-dp2 throttle r1 {fraction:g} core from it {onset}, {shape}", nproc=4,
+                     layout=LAYOUTS["pp2-dp2"][1], expected=[1],
+                     throttles=[Throttle(rank=1, fraction=fraction, onset=onset)], iterations=iterations, extra=extra),
+            Scenario(name=f"tp2-pp2 throttle r2 {fraction:g} core from it {onset}, {shape}", nproc=4,
+                     layout=LAYOUTS["tp2-pp2"][1], expected=[2],
+                     throttles=[Throttle(rank=2, fraction=fraction, onset=onset)], iterations=iterations, extra=extra),
+        ]
     rows = {s.name: [] for s in scenarios}
     for round_ in range(repeat):
         for scenario in scenarios:
@@ -319,23 +323,35 @@ def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1)) -
                         first = (windows_between(applied, last, interval, continuous),
                                  at - outcome.fault_started[0] if outcome.fault_started else float("nan"))
                 else:  # another rank, or the right one before the throttle was applied
+                    if not wrong:  # the first one's evidence, to see why
+                        print(f"[online] wrong alert: {line.strip()[:600]}", file=sys.stderr, flush=True)
                     wrong.append(f"rank {rank} at iteration {last}")
-            rows[scenario.name].append({"ok": outcome.returncode == 0, "first": first, "wrong": len(wrong)})
-            print(f"[online {round_ + 1}/{repeat}] {scenario.name}: throttle applied at iteration {applied}; first "
-                  f"alert (windows, seconds) {first}; wrong alerts {len(wrong)}: {', '.join(wrong) or '-'}",
-                  file=sys.stderr, flush=True)
-    print("\n| online scenario | runs | detected | windows to detect (median / max) | seconds (median / max) | "
-          "wrong alerts |")
-    print("| --- | --- | --- | --- | --- | --- |")
+            # The job's own slowdown: iterations with the quota in force against those before it
+            # (log lines count from 1; the first two are start-up).
+            before = [ms for it, ms in outcome.iteration_ms.items() if 3 <= it <= applied]
+            after = [ms for it, ms in outcome.iteration_ms.items() if it > applied + 1]
+            slowdown = statistics.median(after) / statistics.median(before) if before and after else float("nan")
+            acted = quota_acted("".join(outcome.fault_output)).get(str(scenario.expected[0]), float("nan"))
+            rows[scenario.name].append({"ok": outcome.returncode == 0, "first": first, "wrong": len(wrong),
+                                        "slowdown": slowdown, "acted": acted})
+            print(f"[online {round_ + 1}/{repeat}] {scenario.name}: throttle applied at iteration {applied}, job "
+                  f"{slowdown:.2f}x, quota bound in {acted:.0%} of periods; first alert (windows, seconds) {first}; "
+                  f"wrong alerts {len(wrong)}: {', '.join(wrong) or '-'}", file=sys.stderr, flush=True)
+    print("\n| online scenario | runs | job slowdown (median) | quota bound (median share of periods) | detected "
+          "| within 2 windows | windows to detect (median / max) | seconds (median / max) | runs with a wrong alert |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for scenario in scenarios:
         runs = [r for r in rows[scenario.name] if r["ok"]]
         found = [r["first"] for r in runs if r["first"] is not None]
         windows = [f[0] for f in found]
         seconds = [f[1] for f in found]
-        print(f"| {scenario.name} | {len(runs)} | {len(found)}/{len(runs)} | "
+        slow = statistics.median(r["slowdown"] for r in runs) if runs else float("nan")
+        acted = statistics.median(r["acted"] for r in runs) if runs else float("nan")
+        print(f"| {scenario.name} | {len(runs)} | {slow:.2f}x | {acted:.0%} | {len(found)}/{len(runs)} | "
+              f"{sum(1 for w in windows if w <= 2)}/{len(runs)} | "
               f"{f'{statistics.median(windows):g} / {max(windows)}' if found else '-'} | "
               f"{f'{statistics.median(seconds):.1f} / {max(seconds):.1f}' if found else '-'} | "
-              f"{sum(r['wrong'] for r in runs)} |", flush=True)
+              f"{sum(1 for r in runs if r['wrong'])}/{len(runs)} |", flush=True)
 
 
 def statistics_counter(values) -> dict:
@@ -383,6 +399,9 @@ def main() -> int:
     parser.add_argument("--online-window", default="1:1", metavar="INTERVAL:CONTINUOUS",
                         help="--online: trace windows of CONTINUOUS iterations out of every INTERVAL (default 1:1, every "
                              "iteration its own window; --trace's defaults are 5:2)")
+    parser.add_argument("--online-fractions", default="0.15,0.3", metavar="F[,F...]",
+                        help="--online: the throttles applied mid-run, in cores (default 0.15,0.3: a rank of these "
+                             "layouts uses about 0.35 core, so 0.3 binds lightly and 0.15 heavily)")
     parser.add_argument("--jitter-sweep", action="store_true", help="synthetic detection-limit curve over jitter 10-40%%")
     parser.add_argument("--max-ranks", type=int, default=1024, help="skip scenarios with more ranks than this")
     parser.add_argument("--keep", default=None, metavar="DIR",
@@ -397,7 +416,14 @@ def main() -> int:
             parser.error(f"--online-window takes INTERVAL:CONTINUOUS (e.g. 5:2), got {args.online_window!r}")
         if not 1 <= continuous <= interval:
             parser.error(f"--online-window needs 1 <= CONTINUOUS <= INTERVAL, got {args.online_window}")
-        run_online(args.repeat, args.iterations, (interval, continuous))
+        try:
+            fractions = tuple(float(x) for x in args.online_fractions.split(","))
+        except ValueError:
+            parser.error(f"--online-fractions takes comma-separated core fractions (e.g. 0.15,0.3), "
+                         f"got {args.online_fractions!r}")
+        if not all(0 < f < 2 for f in fractions):
+            parser.error(f"--online-fractions: each fraction of a core must be in (0, 2), got {args.online_fractions}")
+        run_online(args.repeat, args.iterations, (interval, continuous), fractions)
         if not args.external:
             return 0
     if args.external:

@@ -4,6 +4,7 @@ running job, found by its RANK), or the in-process injector's flags. Shared by t
 and `benchmarks/detection_accuracy.py`."""
 from __future__ import annotations
 
+import queue
 import re
 import signal
 import statistics
@@ -116,17 +117,30 @@ def run(scenario: Scenario, trace_dir: Path, *, timeout: float = 600) -> RunResu
             fault = subprocess.Popen(pending.pop(0).command(port), cwd=ROOT, env=env(),
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             faults.append(fault)
-            # Its first line says the fault is in force (the job's output waits in its pipe meanwhile).
+            # Its first line says the fault is in force.
             first_lines.append(fault.stdout.readline())
             fault_started.append(time.monotonic())
 
+    # The job's lines are timestamped as they arrive by a thread of their own: while the fault CLI
+    # starts (about a second) the job goes on, and lines read only afterwards would look as if
+    # they came after the fault (the onset iteration was placed 3-5 iterations early).
+    arrived: queue.Queue = queue.Queue()
+
+    def read_job() -> None:
+        for job_line in job.stdout:
+            arrived.put((job_line, time.monotonic()))
+        arrived.put(None)
+
+    reader = threading.Thread(target=read_job, daemon=True)
     timer = threading.Timer(timeout, job.kill)
     timer.start()
+    reader.start()
     try:
         start_due(0)
-        for line in job.stdout:
+        while (item := arrived.get()) is not None:
+            line, at = item
             lines.append(line)
-            line_times.append(time.monotonic())
+            line_times.append(at)
             match = ITERATION.search(line)
             if match:
                 iteration_ms[int(match.group(1))] = float(match.group(2))

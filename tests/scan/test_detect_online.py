@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import pytest
 
 from fault_runs import Scenario, Throttle, run
 from launch import torchrun
-from megatron.scan.detect.online import WindowCounter
+from megatron.scan.detect.online import OnlineDetector, WindowCounter
 
 ONSET = 3
 
@@ -80,3 +83,37 @@ def test_window_counter_reads_only_what_was_appended_and_waits_for_unfinished_li
     start = time.monotonic()
     counter.wait_for(world_size=2, windows=1, wait_s=5.0)
     assert time.monotonic() - start < 1.0
+
+
+def _ended(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")  # a zombie has ended
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+def test_analysis_process_takes_only_idle_cpu_and_never_outlives_rank_0(tmp_path):
+    """The analysis process runs at idle CPU priority (at nice 10 it still took a share of rank 0's
+    core), ends when rank 0 closes the detector, and ends on its own when rank 0 is killed."""
+    detector = OnlineDetector(tmp_path, world_size=1)
+    pid = detector.worker.pid
+    try:
+        deadline = time.monotonic() + 10
+        while os.sched_getscheduler(pid) != os.SCHED_IDLE and time.monotonic() < deadline:
+            time.sleep(0.01)  # it lowers itself on its first line
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+    finally:
+        detector.close()
+    assert detector.worker.returncode == 0
+
+    rank_0 = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys; from megatron.scan.detect.online import OnlineDetector; "
+         "d = OnlineDetector(sys.argv[1], 1); print(d.worker.pid, flush=True); os.kill(os.getpid(), 9)",
+         str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    orphan = int(rank_0.stdout.readline())
+    assert rank_0.wait(30) == -signal.SIGKILL
+    deadline = time.monotonic() + 20
+    while not _ended(orphan) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _ended(orphan), f"analysis process {orphan} outlived the killed rank 0"

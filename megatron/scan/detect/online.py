@@ -112,8 +112,19 @@ def serve() -> None:
         answers.flush()
 
 
-# The analysis process's priority: CPU left over by training, not a share of a busy host.
+# The analysis process's priority: CPU left over by training, not a share of a busy host. Linux's
+# SCHED_IDLE runs it only on a CPU no training thread wants (at nice 10 it still competed: in a run
+# on 4 ranks over 2 cores rank 0's run-queue wait doubled while windows were analysed); elsewhere
+# nice ANALYSIS_NICE. The process lowers itself first thing, before any import.
 ANALYSIS_NICE = 10
+_BOOT = f"""import os
+try:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+except (AttributeError, OSError):
+    os.nice({ANALYSIS_NICE})
+from megatron.scan.detect.online import serve
+serve()
+"""
 
 
 class OnlineDetector:
@@ -123,7 +134,7 @@ class OnlineDetector:
     The analysis process is a fresh interpreter that imports only the analysis code (a
     multiprocessing child re-imported the trainer's main module, torch and megatron.core: about
     3 s of CPU at full priority beside rank 0, which then was named slow in the first window,
-    measured on 4 ranks over 2 cores), lowered to nice ANALYSIS_NICE as soon as it exists."""
+    measured on 4 ranks over 2 cores), at idle CPU priority from its first line (_BOOT)."""
 
     def __init__(self, trace_dir: str | os.PathLike, world_size: int, *, windows_kept: int = 2,
                  wait_s: float = 30.0) -> None:
@@ -137,13 +148,8 @@ class OnlineDetector:
         root = str(Path(__file__).resolve().parents[3])  # where this package is imported from
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         self.worker = subprocess.Popen(
-            [sys.executable, "-c", "from megatron.scan.detect.online import serve; serve()",
-             str(self.trace_dir), str(world_size), str(wait_s)],
+            [sys.executable, "-c", _BOOT, str(self.trace_dir), str(world_size), str(wait_s)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
-        try:
-            os.setpriority(os.PRIO_PROCESS, self.worker.pid, ANALYSIS_NICE)
-        except (OSError, AttributeError):  # not POSIX: it runs at training's priority
-            pass
         self.thread = threading.Thread(target=self._loop, name="megascan-online-detect", daemon=True)
         self.thread.start()
 
