@@ -328,9 +328,7 @@ def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1),
                     wrong.append(f"rank {rank} at iteration {last}")
             # The job's own slowdown: iterations with the quota in force against those before it
             # (log lines count from 1; the first two are start-up).
-            before = [ms for it, ms in outcome.iteration_ms.items() if 3 <= it <= applied]
-            after = [ms for it, ms in outcome.iteration_ms.items() if it > applied + 1]
-            slowdown = statistics.median(after) / statistics.median(before) if before and after else float("nan")
+            slowdown = outcome.median_ms(first=applied + 2) / outcome.median_ms(first=3, last=applied)
             acted = quota_acted("".join(outcome.fault_output)).get(str(scenario.expected[0]), float("nan"))
             rows[scenario.name].append({"ok": outcome.returncode == 0, "first": first, "wrong": len(wrong),
                                         "slowdown": slowdown, "acted": acted})

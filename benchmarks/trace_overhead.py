@@ -80,14 +80,6 @@ def start_job(layout: str, iters: int, flags: list[str], cpus: set[int] | None =
                             preexec_fn=pin)
 
 
-def job_times(proc: subprocess.Popen, layout: str) -> dict[int, float]:
-    """Per-iteration time (ms) of a started run, keyed by 0-based iteration, once it has ended."""
-    stdout, stderr = proc.communicate()
-    if proc.returncode != 0:
-        raise SystemExit(f"{layout} run failed:\n{stdout[-2000:]}\n{stderr[-2000:]}")
-    return {int(m.group(1)) - 1: float(m.group(2)) for m in LINE.finditer(stdout)}
-
-
 def timed_lines(proc: subprocess.Popen, layout: str) -> dict[int, tuple[float, float]]:
     """Per-iteration (time ms, monotonic arrival of its log line) of a started run, once it has
     ended; stderr is drained by a thread so that neither pipe can fill."""
@@ -128,7 +120,7 @@ def side_by_side_times(procs: dict[str, subprocess.Popen], layout: str, warmup: 
 
 def run_job(layout: str, iters: int, flags: list[str]) -> dict[int, float]:
     """Per-iteration time (ms) of one run of the layout with `flags`, keyed by 0-based iteration."""
-    return job_times(start_job(layout, iters, flags), layout)
+    return {it: ms for it, (ms, _) in timed_lines(start_job(layout, iters, flags), layout).items()}
 
 
 def run_layout(layout: str, iters: int, granularity: str, trace_dir: str) -> dict[int, float]:

@@ -86,9 +86,9 @@ class RunResult:
                 return int(match.group(1)) - 1
         return None
 
-    def median_ms(self, first: int = 2) -> float:
-        """Median iteration time from iteration `first` on (start-up excluded)."""
-        times = [ms for it, ms in self.iteration_ms.items() if it >= first]
+    def median_ms(self, first: int = 2, last: float = float("inf")) -> float:
+        """Median iteration time of the logged iterations `first` to `last` (start-up excluded)."""
+        times = [ms for it, ms in self.iteration_ms.items() if first <= it <= last]
         return statistics.median(times) if times else float("nan")
 
 
@@ -123,7 +123,7 @@ def run(scenario: Scenario, trace_dir: Path, *, timeout: float = 600) -> RunResu
 
     # The job's lines are timestamped as they arrive by a thread of their own: while the fault CLI
     # starts (about a second) the job goes on, and lines read only afterwards would look as if
-    # they came after the fault (the onset iteration was placed 3-5 iterations early).
+    # they came after the fault (the onset iteration was placed up to 3 iterations early).
     arrived: queue.Queue = queue.Queue()
 
     def read_job() -> None:

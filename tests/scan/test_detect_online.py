@@ -94,8 +94,8 @@ def _ended(pid: int) -> bool:
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
 def test_analysis_process_takes_only_idle_cpu_and_never_outlives_rank_0(tmp_path):
-    """The analysis process runs at idle CPU priority (at nice 10 it still took a share of rank 0's
-    core), ends when rank 0 closes the detector, and ends on its own when rank 0 is killed."""
+    """The analysis process runs at idle CPU priority (at nice 10 it still competed with training),
+    ends when rank 0 closes the detector, and ends on its own when rank 0 is killed."""
     detector = OnlineDetector(tmp_path, world_size=1)
     pid = detector.worker.pid
     try:
