@@ -130,6 +130,29 @@ def test_an_onset_must_be_the_ranks_own_not_its_peers_warm_up():
     assert not slowed.findings[1].flagged
 
 
+def test_a_host_wide_slowdown_is_no_onset_of_the_rank_whose_peer_is_stalled():
+    """PP=2 x DP=2 on one host; rank 1 stalls 25 ms in every task, and from iteration 6 the whole
+    host is busier (every rank's compute 1.3x). Rank 0's only peer is rank 1, whose busy time is
+    mostly stall, so rank 0's ratio steps up; but ranks 2 and 3 slowed alike, so rank 0 is no
+    onset. Rank 1 is named; rank 0 slowing alone from iteration 6 still is."""
+    def rows(extra_slow_rank_0: float) -> dict[str, np.ndarray]:
+        out = []
+        for it in range(12):
+            load = 1.3 if it >= 6 else 1.0
+            for rank in range(4):
+                for task in range(8):
+                    busy = 10e6 * RNG.lognormal(0, 0.05) * load
+                    busy *= extra_slow_rank_0 if rank == 0 and it >= 6 else 1.0
+                    busy += 25e6 if rank == 1 else 0.0
+                    out.append((rank, it, task % 2, 0, task // 2, it * 1e9 + task * 1e7, busy))
+        return table(out, ("rank", "iteration", "kind", "chunk", "microbatch", "start", "busy"))
+
+    host_busy = peer_comparison(data(world=4, dp=2, pp=2, compute=rows(1.0)))
+    assert host_busy.findings[1].flagged and not host_busy.findings[0].flagged
+    rank_0_too = peer_comparison(data(world=4, dp=2, pp=2, compute=rows(1.8)))
+    assert rank_0_too.findings[0].flagged and rank_0_too.findings[0].onset_iteration == 6
+
+
 def pipeline_rows(factors: dict[int, float], iterations: int = 12) -> tuple[dict, dict]:
     """PP=2 x DP=2 (rank 1 and 3 form replica 1): compute tasks scaled by `factors`, and the
     replica's messages, with rank 3 waiting 20 ms for each of rank 1's activations."""

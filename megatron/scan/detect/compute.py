@@ -101,12 +101,14 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
             own = totals[:, j] if len(iterations) else np.zeros(0)
             compared[int(rank)] = (per_iteration, iterations, instance_ratio, peers, keys[valid], own)
     iteration_noise = series_noise([r for r, *_ in compared.values()], default=0.1)
+    host_of = {rank: data.roles[rank].host if rank in data.roles else "" for rank in compared}
     for rank, (per_iteration, iterations, instance_ratio, peers, keys, own) in compared.items():
         if not len(per_iteration):
             continue
+        neighbours = [(c[1], c[5]) for other, c in compared.items() if other != rank and host_of[other] == host_of[rank]]
         findings[rank] = _finding(rank, peers, per_iteration, iteration_noise, instance_ratio, keys, pair_noise,
                                   z_instance, z_rank, min_slowdown, min_consistency,
-                                  iterations_of=iterations, own=own)
+                                  iterations_of=iterations, own=own, neighbours=neighbours)
     # Ranks with no same-stage peer (PP-only layouts): with per-layer spans, every transformer
     # layer of any stage runs the same kernels, so ranks of one TP index compare layer by layer.
     lonely = [r for r in data.world if r not in findings]
@@ -171,9 +173,12 @@ def _layer_peers(data: DetectionInput, lonely: list[int], z_rank: float, min_slo
 def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_noise: float,
              instance_ratio: np.ndarray, keys: np.ndarray, pair_noise: float, z_instance: float, z_rank: float,
              min_slowdown: float, min_consistency: float, iterations_of: np.ndarray,
-             own: np.ndarray | None = None) -> ComputeFinding:
+             own: np.ndarray | None = None,
+             neighbours: list[tuple[np.ndarray, np.ndarray]] = ()) -> ComputeFinding:
     """`per_iteration`: the rank's log ratio to its peers per iteration; `own`: its own log busy
-    per iteration (same order), which an onset must show too (see own_share_of_onset)."""
+    per iteration (same order), which an onset must show beyond what the other ranks of its host
+    show at the same iteration (`neighbours`: their (iterations, own log busy); see
+    own_share_of_onset)."""
     median = float(np.median(per_iteration))
     z = median / (1.2533 * iteration_noise / np.sqrt(len(per_iteration)))
     consistent = bool(np.mean(per_iteration > 0) >= min_consistency) if len(per_iteration) >= 4 else True
@@ -181,7 +186,8 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
     onset = None
     if not flagged:  # a fault that began mid-run barely moves the whole series' median
         change = significant_onset(per_iteration, iteration_noise, z_rank, min_slowdown)
-        if change is not None and (own is None or own_share_of_onset(own, change) >= MIN_OWN_SHARE):
+        if change is not None and (own is None or own_share_of_onset(
+                own, change, host_shift(neighbours, int(iterations_of[change[2]]))) >= MIN_OWN_SHARE):
             flagged, median, z, onset = True, change[0], change[1], int(iterations_of[change[2]])
     slow = instance_ratio > max(z_instance * pair_noise, np.log(1.02))
     worst = np.argsort(-instance_ratio)[:5]
@@ -220,15 +226,25 @@ def significant_onset(series: np.ndarray, noise: float, z_rank: float,
 MIN_OWN_SHARE = 0.5
 
 
-def own_share_of_onset(own: np.ndarray, change: tuple[float, float, int]) -> float:
+def own_share_of_onset(own: np.ndarray, change: tuple[float, float, int], host: float = 0.0) -> float:
     """How much of a ratio's step up at change[2] the rank's own log busy series shows (its own
-    later median over its earlier one, as a share of the ratio's shift). A ratio steps up when the
-    rank slows or when its peers speed up; in a stage of two, a peer that was slow in the first
-    iterations (warm-up, a burst of host contention) mirrors as an onset of the other one, whose
-    own busy time has not moved."""
+    later median over its earlier one, less the `host` shift its host's other ranks show at the
+    same iteration, as a share of the ratio's shift). A ratio steps up when the rank slows or when
+    its peers speed up; in a stage of two, a peer that was slow in the first iterations (warm-up,
+    a burst of host contention) mirrors as an onset of the other one, whose own busy time has not
+    moved. And when the whole host slows, a rank whose only peer is stalled (its busy time made of
+    the stalls, which host load barely moves) steps up against it like every other rank does."""
     shift, _, split = change
-    own_shift = float(np.median(own[split:]) - np.median(own[:split]))
+    own_shift = float(np.median(own[split:]) - np.median(own[:split])) - max(host, 0.0)
     return own_shift / shift if shift > 0 else 0.0
+
+
+def host_shift(neighbours: list[tuple[np.ndarray, np.ndarray]], iteration: int) -> float:
+    """Median over the other ranks of a host of their own log busy shift from before `iteration`
+    to from it on: how much the host as a whole slowed then (0 with no such rank)."""
+    shifts = [float(np.median(own[its >= iteration]) - np.median(own[its < iteration]))
+              for its, own in neighbours if (its >= iteration).any() and (its < iteration).any()]
+    return float(np.median(shifts)) if shifts else 0.0
 
 
 def onset_shift(series: np.ndarray, noise: float, *, min_before: int = 3,
