@@ -53,6 +53,10 @@ def build_parser(plugins: Sequence = ()) -> argparse.ArgumentParser:
     g.add_argument("--train-iters", type=int, default=10)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="bit-reproducible runs on CUDA: deterministic kernels only (torch.use_deterministic_algorithms, "
+                        "CUBLAS_WORKSPACE_CONFIG, megatron-core's deterministic embedding, NCCL_ALGO=Ring unless set); "
+                        "slower. CPU runs are deterministic without it")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, if --save) once iteration %% N == 0")
 
@@ -120,6 +124,7 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
             init_method_std=args.init_method_std,
             bf16=args.bf16,
             transformer_impl=args.transformer_impl,
+            deterministic_mode=args.deterministic_mode,
         ),
         optimizer=OptimizerConfig(
             lr=args.lr,

@@ -48,6 +48,7 @@ class ModelConfig:
     init_method_std: float = 0.02
     bf16: bool = False
     transformer_impl: str = "local"
+    deterministic_mode: bool = False
 
     @property
     def padded_vocab_size(self) -> int:

@@ -334,6 +334,13 @@ class CUDABackend(DeviceBackend):
     def zero_grad(self, chunks):
         for chunk in chunks:
             chunk.zero_grad_buffer()
+            # megatron-core's optimizer points each param.grad at its main_grad. Left there,
+            # autograd would add the next first microbatch into main_grad in place and the DDP
+            # hook would add it once more: from the second iteration of a process on, the first
+            # microbatch would count twice (seen on an H100 as a resumed run whose first grad
+            # norm differed from the uninterrupted run's).
+            for param in chunk.parameters():
+                param.grad = None
 
     def finalize_grads(self, chunks):
         from megatron.core.distributed import finalize_model_grads
@@ -482,6 +489,14 @@ def model_parallel_grad_norm(chunks: Sequence[torch.nn.Module]) -> float:
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return float(total.sqrt())
+
+
+def enable_deterministic_mode() -> None:
+    """--deterministic-mode: only kernels whose result does not depend on thread timing. Set before
+    the first CUDA kernel: cuBLAS reads its workspace setting, NCCL its algorithm, when they start."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NCCL_ALGO", "Ring")
+    torch.use_deterministic_algorithms(True)
 
 
 def build_backend(device: str) -> DeviceBackend:

@@ -44,6 +44,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, num_chunks:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        deterministic_mode=model.deterministic_mode,
     )
 
 

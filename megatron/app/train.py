@@ -19,7 +19,7 @@ from megatron.app import checkpoint as ckpt
 from megatron.app.arguments import build_parser, config_from_args
 from megatron.app.config import ConfigError, RunConfig, validate
 from megatron.app.data import DataError
-from megatron.app.device import DeviceBackend, DeviceError, build_backend
+from megatron.app.device import DeviceBackend, DeviceError, build_backend, enable_deterministic_mode
 from megatron.app.executor import PipelineExecutor, StageContext
 from megatron.app.logs import MetricsLogger, print_rank_0
 from megatron.app.model import build_model_chunks, count_parameters
@@ -101,6 +101,8 @@ def schedule_name(ctx: TrainContext) -> str:
 def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
     from megatron.core import parallel_state
 
+    if cfg.model.deterministic_mode:
+        enable_deterministic_mode()
     backend = build_backend(cfg.training.device)
     backend.init_distributed(timeout_s=cfg.training.distributed_timeout_minutes * 60)
     p = cfg.parallel

@@ -391,6 +391,24 @@ def _signal_all(processes: list[RankProcess], sig: signal.Signals) -> int:
     return sent
 
 
+def _state(pid: int, proc: Path = PROC) -> str | None:
+    try:
+        return (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _wait_stopped(processes: list[RankProcess], timeout_s: float = 5.0, proc: Path = PROC) -> list[int]:
+    """SIGSTOP takes effect when the kernel next schedules the process: wait until every live
+    one shows state T, so "froze" is only said of stopped ranks. Returns the pids still running."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = [p.pid for p in processes if _state(p.pid, proc) not in (None, "T", "t", "Z", "X")]
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.01)
+
+
 def cmd_freeze(args: argparse.Namespace) -> int:
     stop = _Stop()
     try:
@@ -399,6 +417,9 @@ def cmd_freeze(args: argparse.Namespace) -> int:
             return 0
         _signal_all(processes, signal.SIGSTOP)
         try:
+            running = _wait_stopped(processes)
+            if running:
+                print(f"[fault] warning: pid {', '.join(map(str, running))} not stopped yet after 5 s", flush=True)
             print(f"[fault] froze {_describe(processes)} (SIGSTOP); Ctrl-C continues it", flush=True)
             why = _hold(processes, args.duration, stop)
         finally:

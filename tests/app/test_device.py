@@ -104,3 +104,33 @@ def test_more_local_ranks_than_gpus_stops_before_nccl(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(device.DeviceError, match=r"2 ranks on this node but 1 GPU; .* or pass --device cpu"):
         device.CUDABackend()
+
+
+def test_cuda_zero_grad_counts_each_microbatch_once():
+    """megatron-core's optimizer leaves param.grad pointing at the DDP main_grad buffer. Unless
+    zero_grad clears it, autograd adds the next iteration's first microbatch into main_grad in
+    place and the DDP hook adds it once more: a double-counted microbatch from the second
+    iteration of every process on (found on an H100; CPU runs never take this path)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2, bias=False)
+    weight = layer.weight
+    weight.main_grad = torch.zeros_like(weight)
+
+    def ddp_post_accumulate_hook(*_):  # what megatron-core's DDP does once autograd has a gradient
+        if weight.grad is not None:
+            weight.main_grad.add_(weight.grad.data)
+        weight.grad = None
+
+    accumulator = weight.expand_as(weight).grad_fn.next_functions[0][0]
+    accumulator.register_hook(ddp_post_accumulate_hook)
+    layer.zero_grad_buffer = lambda: weight.main_grad.zero_()
+    backend = object.__new__(device.CUDABackend)  # zero_grad needs no GPU
+    microbatches = [torch.randn(4, 3), torch.randn(4, 3)]
+    expected = sum(x.sum(0) for x in microbatches).expand(2, 3)  # d(sum W x)/dW, summed over microbatches
+    for iteration in range(3):
+        backend.zero_grad([layer])
+        for x in microbatches:
+            layer(x).sum().backward()
+        torch.testing.assert_close(weight.main_grad, expected, msg=f"iteration {iteration + 1}")
+        weight.grad = weight.main_grad  # the optimizer's step (megatron-core prepare_grads)
+    del accumulator

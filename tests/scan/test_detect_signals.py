@@ -190,3 +190,26 @@ def test_a_pipeline_neighbour_of_a_much_slower_rank_is_explained_unless_it_has_e
     alike = data(dp=2, pp=2, compute=compute)
     alike.p2p = messages
     assert sorted(s.ranks[0] for s in detect(alike).suspects) == [1, 3]
+
+
+# Busy ms per iteration of a one-GPU job traced on an H100 (bf16, 8 layers, hidden 1024, seq 1024)
+# while another process ran bf16 matrix products on the same GPU, starting during iteration 71.
+H100_TIME_SHARED_MS = [
+    488.9, 132.4, 132.1, 135.7, 141.4, 345.8, 137.6, 131.5, 138.8, 131.9, 131.9, 135.1, 135.1, 151.8, 140.9,
+    139.2, 135.5, 150.5, 132.5, 131.9, 132.6, 132.5, 135.2, 133.2, 133.1, 134.9, 138.3, 138.2, 134.0, 131.7,
+    136.0, 135.6, 133.0, 132.5, 186.5, 181.0, 137.6, 136.6, 138.2, 135.6, 134.6, 134.2, 134.6, 137.1, 208.4,
+    137.0, 132.3, 140.1, 134.6, 140.7, 152.5, 137.2, 132.2, 133.1, 183.0, 132.2, 132.2, 131.8, 133.9, 136.0,
+    147.2, 147.2, 132.6, 136.4, 148.9, 139.8, 143.9, 134.4, 133.2, 140.7, 142.1, 165.0, 191.4, 294.3, 289.2,
+    297.3, 294.8, 291.9, 291.8, 299.6, 291.8, 295.2, 325.5, 298.4, 292.5, 294.9, 298.1, 296.5, 290.1, 294.9,
+    274.3, 136.9, 135.2, 195.5, 186.4, 143.7, 136.7, 131.1, 136.3, 134.5]
+
+
+def test_a_gpu_time_shared_mid_run_is_named_from_its_first_slow_iteration():
+    """A rank with no peer is compared with its own history; the onset is where the slow part
+    begins, not a few normal iterations earlier (medians alone drifted it 4 iterations early)."""
+    rows = [(0, i, 0, 0, 0, i * 1e9, ms * 1e6) for i, ms in enumerate(H100_TIME_SHARED_MS)]
+    compute = table(rows, ("rank", "iteration", "kind", "chunk", "microbatch", "start", "busy"))
+    finding = peer_comparison(data(world=1, dp=1, compute=compute)).findings[0]
+    assert finding.method == "history" and finding.flagged
+    assert finding.onset_iteration in (71, 72), finding
+    assert 2.0 < finding.slowdown < 2.3

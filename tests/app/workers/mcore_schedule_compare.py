@@ -77,7 +77,8 @@ def main() -> None:
 
         def loss_func(output_tensor):
             loss, _ = microbatch_loss(output_tensor, data)
-            return loss, {"lm loss": loss.detach()}
+            # megatron-core divides the returned loss by the microbatch count in place: report a copy
+            return loss, {"lm loss": loss.detach().clone()}
 
         return output, loss_func
 
@@ -86,8 +87,9 @@ def main() -> None:
     for iteration in range(args.iters):
         torch.cuda.synchronize()
         started = time.perf_counter()
-        backend.zero_grad(chunks)
-        optimizer.optimizer.zero_grad()
+        backend.zero_grad(chunks)  # what the trainer does
+        if args.mode == "mcore":
+            optimizer.optimizer.zero_grad()  # the optimizer's own reset as well, as Megatron-LM's loop does
         if args.mode == "ours":
             result = executor.run(schedule, lambda mb: batches[(iteration, mb)])
             iteration_losses = result.losses
