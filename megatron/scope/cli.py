@@ -91,7 +91,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 def serve(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from megatron.scope.engine import Coordinator, Generator
+    from megatron.scope.engine import Coordinator, Generator, leave_process_group
     from megatron.scope.loading import ModelLoadError
     from megatron.scope.service import ScopeService
 
@@ -104,6 +104,7 @@ def serve(args: argparse.Namespace) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank != 0:
         coordinator.follow()  # returns on "exit"
+        leave_process_group()
         return 0
     generator = Generator(coordinator, model.tokenizer, model.tokenizer.vocab_size)
     service = ScopeService(generator, server_config(args))
@@ -118,6 +119,7 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         coordinator.send("exit")
         service.close()
+        leave_process_group()
     return 0
 
 

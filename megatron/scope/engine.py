@@ -35,6 +35,17 @@ class GenerateRequest:
     perturbations: list[Perturbation] = field(default_factory=list)
 
 
+def leave_process_group() -> None:
+    """Every rank of a serving job leaves together once rank 0 has sent "exit": one that exits
+    while a peer's gloo threads still talk to it has aborted that peer (SIGABRT, "terminate
+    called without an active exception")."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
 class Coordinator:
     """Rank 0 broadcasts each command; the other ranks run `follow()` and obey. One rank: direct."""
 

@@ -20,7 +20,7 @@ def main() -> int:
     from megatron.app.config import ModelConfig
     from megatron.app.tokenizer import ByteLevelTokenizer
     from megatron.scope.codec import decode_frame, encode_frame
-    from megatron.scope.engine import Coordinator, GenerateRequest, Generator
+    from megatron.scope.engine import Coordinator, GenerateRequest, Generator, leave_process_group
     from megatron.scope.loading import build_random, load_checkpoint
     from megatron.scope.perturb import Perturbation
 
@@ -33,6 +33,7 @@ def main() -> int:
     coordinator = Coordinator(model.runner)
     if dist.get_rank() != 0:
         coordinator.follow()
+        leave_process_group()
         return 0
     generator = Generator(coordinator, model.tokenizer, model.tokenizer.vocab_size)
     saved = {}
@@ -52,6 +53,7 @@ def main() -> int:
                        "topk": [[s["topk"] for s in h["samples"]] for h, _ in steps]}
     coordinator.send("exit")
     torch.save(saved, args.out)
+    leave_process_group()
     return 0
 
 
