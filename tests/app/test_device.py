@@ -133,4 +133,3 @@ def test_cuda_zero_grad_counts_each_microbatch_once():
             layer(x).sum().backward()
         torch.testing.assert_close(weight.main_grad, expected, msg=f"iteration {iteration + 1}")
         weight.grad = weight.main_grad  # the optimizer's step (megatron-core prepare_grads)
-    del accumulator

@@ -276,20 +276,17 @@ def _history(rank: int, iteration: np.ndarray, busy: np.ndarray, z_rank: float,
     per_iteration = np.log(np.array([max(float(busy[iteration == i].sum()), 1.0) for i in iterations]))
     noise = max(_MAD * float(np.median(np.abs(np.diff(per_iteration)))) / np.sqrt(2.0), 0.02)
     best: tuple[float, int] | None = None
-    for starts_slow in (True, False):
-        for split in range(1, len(iterations)):
-            before, after = per_iteration[:split], per_iteration[split:]
-            if starts_slow and split > 1 and after[0] <= np.median(before) + 2 * noise:
-                # The later part should start with a clearly slow iteration: medians (which a few
-                # normal iterations hardly move) and the larger later part otherwise put the
-                # onset early (5 iterations early on an H100 time-shared mid-run).
-                continue
-            shift = float(np.median(after) - np.median(before))
-            z = shift / (1.2533 * noise * np.sqrt(1 / len(before) + 1 / len(after)))
-            if best is None or z > best[0]:
-                best = (z, split)
-        if best is not None:
-            break
+    for split in range(1, len(iterations)):
+        if split > 1 and per_iteration[split] <= np.median(per_iteration[:split]) + 2 * noise:
+            # The later part starts with a clearly slow iteration: medians (which a few normal
+            # iterations hardly move) and the larger later part otherwise put the onset early
+            # (4 iterations early on an H100 time-shared mid-run).
+            continue
+        before, after = per_iteration[:split], per_iteration[split:]
+        shift = float(np.median(after) - np.median(before))
+        z = shift / (1.2533 * noise * np.sqrt(1 / len(before) + 1 / len(after)))
+        if best is None or z > best[0]:
+            best = (z, split)
     z, split = best
     shift = float(np.median(per_iteration[split:]) - np.median(per_iteration[:split]))
     flagged = bool(z > z_rank and np.exp(shift) >= min_slowdown and len(iterations) - split >= 2)
