@@ -279,6 +279,14 @@ def windows_between(applied: int, last: int, interval: int, continuous: int) -> 
     return (last - continuous + 1) // interval - first_window + 1
 
 
+def windows_begun_after(applied: int, last: int, interval: int, continuous: int) -> int:
+    """Like windows_between, counting from the first window that began after the fault took
+    effect: iteration `applied` is the one whose log line came first after it, so it may have run
+    partly before it, and the iterations after it began under the fault."""
+    first_window = -(-(applied + 1) // interval)
+    return (last - continuous + 1) // interval - first_window + 1
+
+
 def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1),
                fractions: tuple[float, ...] = (0.15, 0.3)) -> None:
     """--online-detect against a throttle applied from outside mid-run (windows of `window` =
@@ -294,7 +302,9 @@ def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1),
     interval, continuous = window
     extra = ["--online-detect", "--trace-interval", str(interval), "--continuous-trace-iterations", str(continuous)]
     shape = f"windows {continuous}/{interval}"
-    scenarios = []
+    # The same layouts without a fault: any alert there is a wrong one.
+    scenarios = [Scenario(name=f"{layout} healthy, {shape}", nproc=4, layout=LAYOUTS[layout][1], expected=[],
+                          iterations=iterations, extra=extra) for layout in ("pp2-dp2", "tp2-pp2")]
     for fraction in fractions:
         scenarios += [
             Scenario(name=f"pp2-dp2 throttle r1 {fraction:g} core from it {onset}, {shape}", nproc=4,
@@ -321,7 +331,8 @@ def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1),
                 if rank in scenario.expected and last >= applied:
                     if first is None:
                         first = (windows_between(applied, last, interval, continuous),
-                                 at - outcome.fault_started[0] if outcome.fault_started else float("nan"))
+                                 at - outcome.fault_started[0] if outcome.fault_started else float("nan"),
+                                 windows_begun_after(applied, last, interval, continuous))
                 else:  # another rank, or the right one before the throttle was applied
                     if not wrong:  # the first one's evidence, to see why
                         print(f"[online] wrong alert: {line.strip()[:600]}", file=sys.stderr, flush=True)
@@ -329,15 +340,17 @@ def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1),
             # The job's own slowdown: iterations with the quota in force against those before it
             # (log lines count from 1; the first two are start-up).
             slowdown = outcome.median_ms(first=applied + 2) / outcome.median_ms(first=3, last=applied)
-            acted = quota_acted("".join(outcome.fault_output)).get(str(scenario.expected[0]), float("nan"))
+            acted = quota_acted("".join(outcome.fault_output)).get(str(scenario.expected[0]), float("nan")) \
+                if scenario.expected else float("nan")
             rows[scenario.name].append({"ok": outcome.returncode == 0, "first": first, "wrong": len(wrong),
                                         "slowdown": slowdown, "acted": acted})
             print(f"[online {round_ + 1}/{repeat}] {scenario.name}: throttle applied at iteration {applied}, job "
                   f"{slowdown:.2f}x, quota bound in {acted:.0%} of periods; first alert (windows, seconds) {first}; "
                   f"wrong alerts {len(wrong)}: {', '.join(wrong) or '-'}", file=sys.stderr, flush=True)
     print("\n| online scenario | runs | job slowdown (median) | quota bound (median share of periods) | detected "
-          "| within 2 windows | windows to detect (median / max) | seconds (median / max) | runs with a wrong alert |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| within 2 windows | windows to detect (median / max) | within 2 windows begun under the fault "
+          "| seconds (median / max) | runs with a wrong alert |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for scenario in scenarios:
         runs = [r for r in rows[scenario.name] if r["ok"]]
         found = [r["first"] for r in runs if r["first"] is not None]
@@ -345,9 +358,13 @@ def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1),
         seconds = [f[1] for f in found]
         slow = statistics.median(r["slowdown"] for r in runs) if runs else float("nan")
         acted = statistics.median(r["acted"] for r in runs) if runs else float("nan")
+        if not scenario.expected:
+            print(f"| {scenario.name} | {len(runs)} | - | - | - | - | - | - | - | {sum(1 for r in runs if r['wrong'])}/{len(runs)} |")
+            continue
         print(f"| {scenario.name} | {len(runs)} | {slow:.2f}x | {acted:.0%} | {len(found)}/{len(runs)} | "
               f"{sum(1 for w in windows if w <= 2)}/{len(runs)} | "
               f"{f'{statistics.median(windows):g} / {max(windows)}' if found else '-'} | "
+              f"{sum(1 for f in found if f[2] <= 2)}/{len(runs)} | "
               f"{f'{statistics.median(seconds):.1f} / {max(seconds):.1f}' if found else '-'} | "
               f"{sum(1 for r in runs if r['wrong'])}/{len(runs)} |", flush=True)
 

@@ -26,13 +26,17 @@ Two modes:
     cost of one recorded span timed in a loop here. With --side-by-side the two runs of a pair run
     at the same time, each on its own cores (the traced one swaps cores every pair): a host whose
     speed changes from second to second (a VM sharing its CPUs) slows both alike, which whole runs
-    one after the other cannot cancel.
+    one after the other cannot cancel. Beside wall time, each run's CPU time per iteration (user
+    + system of the ranks' processes, read from /proc at the log lines of the compared iterations)
+    gives a second paired ratio: on a CPU-bound job it is the work tracing adds, and it does not
+    count the time a rank stood waiting for the host, so it is the steadier of the two (--stop-on
+    cpu stops on its interval).
   --mode interleaved: traced and untraced iterations of one run (--trace-interval 4
     --continuous-trace-iterations 1), compared cycle by cycle; also prints the tracer's own CPU
     time and the always-on observers' (watchdog, metrics) cost per iteration.
 Usage:
   python benchmarks/trace_overhead.py [--layouts pp2] [--iters 60] [--target 0.01] [--max-pairs 40]
-  python benchmarks/trace_overhead.py --side-by-side --layouts single --iters 150 --max-pairs 80
+  python benchmarks/trace_overhead.py --side-by-side --layouts single --iters 150 --max-pairs 80 [--stop-on cpu]
   python benchmarks/trace_overhead.py --mode interleaved [--iters 400] [--layouts pp2-dp2,tp2-pp2]
 """
 from __future__ import annotations
@@ -80,9 +84,30 @@ def start_job(layout: str, iters: int, flags: list[str], cpus: set[int] | None =
                             preexec_fn=pin)
 
 
-def timed_lines(proc: subprocess.Popen, layout: str) -> dict[int, tuple[float, float]]:
-    """Per-iteration (time ms, monotonic arrival of its log line) of a started run, once it has
-    ended; stderr is drained by a thread so that neither pipe can fill."""
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def ranks_cpu_s(launcher: int) -> float:
+    """CPU seconds (user + system, all threads) used so far by the launcher's descendants: the
+    ranks and anything they started, not torchrun itself."""
+    total, stack = 0.0, [launcher]
+    while stack:
+        pid = stack.pop()
+        try:
+            if pid != launcher:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / _TICK
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                stack += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError, IndexError):  # exited meanwhile
+            continue
+    return total
+
+
+def timed_lines(proc: subprocess.Popen, layout: str) -> dict[int, tuple[float, float, float]]:
+    """Per-iteration (time ms, monotonic arrival of its log line, the ranks' CPU seconds so far
+    then) of a started run, once it has ended; stderr is drained by a thread so that neither pipe
+    can fill."""
     errors: list[str] = []
     drain = threading.Thread(target=lambda: errors.append(proc.stderr.read()), daemon=True)
     drain.start()
@@ -91,7 +116,7 @@ def timed_lines(proc: subprocess.Popen, layout: str) -> dict[int, tuple[float, f
         lines.append(line)
         match = LINE.search(line)
         if match:
-            times[int(match.group(1)) - 1] = (float(match.group(2)), time.monotonic())
+            times[int(match.group(1)) - 1] = (float(match.group(2)), time.monotonic(), ranks_cpu_s(proc.pid))
     proc.wait()
     drain.join()
     if proc.returncode != 0:
@@ -99,11 +124,13 @@ def timed_lines(proc: subprocess.Popen, layout: str) -> dict[int, tuple[float, f
     return times
 
 
-def side_by_side_times(procs: dict[str, subprocess.Popen], layout: str, warmup: int) -> dict[str, dict[int, float]]:
+def side_by_side_times(procs: dict[str, subprocess.Popen], layout: str,
+                       warmup: int) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
     """Iteration times of runs started together, keeping only the iterations every run spent
-    beside the others: from the last run's end of warm-up to the first run's end. A run that
-    goes on alone afterwards has the host to itself (a VM's idle CPU speeds its sibling) and
-    would be charged less than it spent side by side."""
+    beside the others: from the last run's end of warm-up to the first run's end (a run that
+    goes on alone afterwards has the host to itself, a VM's idle CPU speeds its sibling, and
+    would be charged less than it spent side by side); and each run's CPU ms per iteration over
+    those iterations."""
     readers: dict[str, dict] = {}
     threads = [threading.Thread(target=lambda k=k, p=p: readers.__setitem__(k, timed_lines(p, layout)))
                for k, p in procs.items()]
@@ -115,18 +142,30 @@ def side_by_side_times(procs: dict[str, subprocess.Popen], layout: str, warmup: 
         raise SystemExit(f"a {layout} run failed (see above)")
     begin = max(min((at for it, (_, at) in t.items() if it >= warmup), default=float("inf")) for t in readers.values())
     end = min(max(at for _, at in t.values()) for t in readers.values())
-    return {kind: {it: ms for it, (ms, at) in t.items() if begin <= at <= end} for kind, t in readers.items()}
+    kept = {kind: {it: (ms, cpu) for it, (ms, at, cpu) in t.items() if begin <= at <= end} for kind, t in readers.items()}
+    return ({kind: {it: ms for it, (ms, _) in t.items()} for kind, t in kept.items()},
+            {kind: cpu_ms_per_iteration(t) for kind, t in kept.items()})
 
 
-def run_job(layout: str, iters: int, flags: list[str]) -> dict[int, float]:
-    """Per-iteration time (ms) of one run of the layout with `flags`, keyed by 0-based iteration."""
-    return {it: ms for it, (ms, _) in timed_lines(start_job(layout, iters, flags), layout).items()}
+def cpu_ms_per_iteration(times: dict[int, tuple[float, float]]) -> float:
+    """The ranks' CPU ms per iteration between the first and the last of `times` ({iteration:
+    (ms, CPU seconds so far at its log line)})."""
+    first, last = min(times), max(times)
+    return (times[last][1] - times[first][1]) * 1e3 / max(last - first, 1)
+
+
+def run_job(layout: str, iters: int, flags: list[str], warmup: int = 0) -> tuple[dict[int, float], float]:
+    """Per-iteration time (ms) of one run of the layout with `flags`, keyed by 0-based iteration,
+    and the ranks' CPU ms per iteration after `warmup` iterations."""
+    times = timed_lines(start_job(layout, iters, flags), layout)
+    return ({it: ms for it, (ms, _, _) in times.items()},
+            cpu_ms_per_iteration({it: (ms, cpu) for it, (ms, _, cpu) in times.items() if it >= warmup - 1}))
 
 
 def run_layout(layout: str, iters: int, granularity: str, trace_dir: str) -> dict[int, float]:
     """One run tracing one iteration out of every four (the interleaved mode)."""
     return run_job(layout, iters, ["--trace", "--trace-dir", trace_dir, "--trace-interval", "4",
-                                   "--continuous-trace-iterations", "1", "--trace-granularity", granularity])
+                                   "--continuous-trace-iterations", "1", "--trace-granularity", granularity])[0]
 
 
 def span_cost_us(repeat: int = 50_000) -> float:
@@ -269,7 +308,8 @@ def off_vs_on(layout: str, args: argparse.Namespace) -> dict:
     if args.trace_every_iteration:
         trace_flags += ["--trace-interval", "1", "--continuous-trace-iterations", "1"]
     halves = _core_halves(layout) if args.side_by_side else None
-    pairs: list[tuple[float, float]] = []
+    pairs: list[tuple[float, float]] = []  # (off, on) trimmed-mean iteration ms
+    cpu_pairs: list[tuple[float, float]] = []  # (off, on) the ranks' CPU ms per iteration
     events = []
     while len(pairs) < args.max_pairs:
         order = ("off", "on") if len(pairs) % 2 == 0 else ("on", "off")
@@ -278,22 +318,28 @@ def off_vs_on(layout: str, args: argparse.Namespace) -> dict:
             if halves:  # both at once; the traced run takes the other cores in every other pair
                 procs = {kind: start_job(layout, args.iters, flags[kind], cpus)
                          for kind, cpus in zip(order, halves)}
-                times = side_by_side_times(procs, layout, args.warmup)
+                times, cpu = side_by_side_times(procs, layout, args.warmup)
             else:  # one after the other, in the order off,on,on,off,...
-                times = {kind: run_job(layout, args.iters, flags[kind]) for kind in order}
+                runs = {kind: run_job(layout, args.iters, flags[kind], args.warmup) for kind in order}
+                times, cpu = {k: r[0] for k, r in runs.items()}, {k: r[1] for k, r in runs.items()}
             events.append(events_per_iteration(trace_dir, args.iters))
         result = {kind: trimmed_mean(list(_steady(t, args.warmup))) for kind, t in times.items()}
         pairs.append((result["off"], result["on"]))
+        cpu_pairs.append((cpu["off"], cpu["on"]))
         ratio, low, high = ratio_interval(pairs)
+        cpu_ratio, cpu_low, cpu_high = ratio_interval(cpu_pairs)
         print(f"[overhead] {layout} pair {len(pairs)}: off {result['off']:.2f} ms, on {result['on']:.2f} ms; "
-              f"ratio so far {ratio:.4f} [{low:.4f}, {high:.4f}]", flush=True)
-        if len(pairs) >= args.min_pairs and max(high - ratio, ratio - low) <= args.target:
+              f"ratio so far {ratio:.4f} [{low:.4f}, {high:.4f}]; CPU ms/iteration off {cpu['off']:.2f}, on "
+              f"{cpu['on']:.2f}, ratio so far {cpu_ratio:.4f} [{cpu_low:.4f}, {cpu_high:.4f}]", flush=True)
+        stop = (low, high, ratio) if args.stop_on == "wall" else (cpu_low, cpu_high, cpu_ratio)
+        if len(pairs) >= args.min_pairs and max(stop[1] - stop[2], stop[2] - stop[0]) <= args.target:
             break
     off = statistics.fmean(p[0] for p in pairs)
     ratio, low, high = ratio_interval(pairs)
     per_iteration = statistics.fmean(events)
     return {"layout": layout, "pairs": len(pairs), "off_ms": off, "on_ms": off * ratio, "ratio": ratio, "low": low,
-            "high": high, "events": per_iteration,
+            "high": high, "events": per_iteration, "cpu_off_ms": statistics.fmean(p[0] for p in cpu_pairs),
+            "cpu": ratio_interval(cpu_pairs),
             "event_ns": [off * (r - 1) * 1e6 / per_iteration if per_iteration else float("nan") for r in (ratio, low, high)]}
 
 
@@ -342,6 +388,9 @@ def main() -> int:
                              "instead of --trace's default windows")
     parser.add_argument("--target", type=float, default=0.01,
                         help="off-vs-on: stop adding run pairs once the ratio's 95%% interval is within +-TARGET")
+    parser.add_argument("--stop-on", choices=["wall", "cpu"], default="wall",
+                        help="off-vs-on: the interval that --target applies to: the iteration time's (default) or the "
+                             "ranks' CPU time per iteration's")
     parser.add_argument("--min-pairs", type=int, default=4, help="off-vs-on: run pairs before the first stop test")
     parser.add_argument("--max-pairs", type=int, default=40, help="off-vs-on: most run pairs per layout")
     parser.add_argument("--side-by-side", action="store_true",
@@ -366,11 +415,15 @@ def main() -> int:
     print(f"\nMegaScan off vs --trace ({what}, granularity {args.granularity}), CPU ranks, {args.iters} iterations "
           f"per run (first {args.warmup} left out), {pairing}; a recorded span costs {cost_ns:.0f} ns in a loop")
     print(f"{'layout':8s} {'pairs':>5s} {'off ms':>8s} {'on ms':>8s} {'ratio':>7s} {'95% CI':>17s} "
-          f"{'events/it':>9s} {'ns/event (95% CI)':>26s}")
+          f"{'events/it':>9s} {'ns/event (95% CI)':>26s} {'CPU ms off':>10s} {'CPU ratio':>9s} {'CPU 95% CI':>17s} "
+          f"{'CPU ns/event':>12s}")
     for r in rows:
+        cpu_ratio, cpu_low, cpu_high = r["cpu"]
         print(f"{r['layout']:8s} {r['pairs']:5d} {r['off_ms']:8.2f} {r['on_ms']:8.2f} {r['ratio']:7.4f} "
               f"[{r['low']:.4f}, {r['high']:.4f}] {r['events']:9.1f} {r['event_ns'][0]:8.0f} "
-              f"[{r['event_ns'][1]:.0f}, {r['event_ns'][2]:.0f}]")
+              f"[{r['event_ns'][1]:.0f}, {r['event_ns'][2]:.0f}] {r['cpu_off_ms']:10.2f} {cpu_ratio:9.4f} "
+              f"[{cpu_low:.4f}, {cpu_high:.4f}] "
+              f"{r['cpu_off_ms'] * (cpu_ratio - 1) * 1e6 / r['events'] if r['events'] else float('nan'):12.0f}")
     if any(r["high"] - r["ratio"] > args.target for r in rows):
         print(f"the interval is wider than +-{args.target:.0%}: this host's run-to-run noise hides the tracer; its "
               f"CPU cost per iteration is events/it x the span cost above")

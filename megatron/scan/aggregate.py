@@ -61,8 +61,10 @@ def collective_end_spread_us(trace: GlobalTrace, collectives: Collectives) -> np
 
 
 def aggregate(directory: str | os.PathLike, output: str | os.PathLike | None = None, *, jobs: int | None = None,
-              run_id: str | None = None, allow_drift: bool = True, do_align: bool = True) -> Aggregation:
-    """Run the whole pipeline; writes the Chrome trace to `output` when given."""
+              run_id: str | None = None, allow_drift: bool = True, do_align: bool = True,
+              fitted: dict[tuple[int, int], tuple[float, float]] | None = None) -> Aggregation:
+    """Run the whole pipeline; writes the Chrome trace to `output` when given. `fitted`: clock
+    corrections of windows aligned before (see align), reused instead of fitted again."""
     timings: dict[str, float] = {}
     started = time.perf_counter()
     trace = load_directory(directory, jobs=jobs, run_id=run_id)
@@ -73,7 +75,7 @@ def aggregate(directory: str | os.PathLike, output: str | os.PathLike | None = N
     timings["match"] = time.perf_counter() - mark
     mark = time.perf_counter()
     if do_align:
-        alignment = align(trace, collectives, p2p, allow_drift=allow_drift)
+        alignment = align(trace, collectives, p2p, allow_drift=allow_drift, fitted=fitted)
     else:
         alignment = Alignment(ranks={}, model={}, anchors=0, unanchored=sorted(trace.ranks))
     timings["align"] = time.perf_counter() - mark

@@ -157,8 +157,13 @@ def huber_loss(r: np.ndarray, scale: float) -> float:
 
 
 def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = None, *,
-          allow_drift: bool = True) -> Alignment:
+          allow_drift: bool = True, fitted: dict[tuple[int, int], tuple[float, float]] | None = None) -> Alignment:
     """Estimate per-(rank, window) corrections and apply them to trace.columns start/end in place.
+
+    `fitted`: {(rank, window): (offset µs, drift ppm)} from an earlier fit of the same files (online
+    detection re-reads a growing directory every window). Anchors tie ranks only within a window,
+    so a window that every rank has in `fitted` is not fitted again: its corrections are reused and
+    only the new windows cost a fit.
 
     Pass 1 uses collective anchors. Pass 2 adds P2P messages whose receiver was already waiting
     when (by pass 1's clocks) the send was posted: such a receive finishes as the message lands,
@@ -169,6 +174,8 @@ def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = N
     anchor_instances = collectives.synchronous & ~collectives.op_mismatch & (collectives.members >= 2)
     rows = np.flatnonzero(collectives.row_instance >= 0)
     rows = rows[anchor_instances[collectives.row_instance[rows]]]
+    known = _known_windows(trace, fitted or {})
+    rows = rows[~np.isin(c["window"][rows], known)]
     instance = collectives.row_instance[rows]
     report, models = _fit(trace, rows, instance, c["end"][rows], allow_drift)
     p2p_anchors = 0
@@ -178,6 +185,8 @@ def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = N
     # component whose collectives already show drift keeps its collectives-only fit.
     if p2p is not None and len(p2p) and not models["offset+drift"]:
         send, recv = p2p.send_rows, p2p.recv_rows
+        new = ~np.isin(c["window"][send], known)
+        send, recv = send[new], recv[new]
         send_end = c["end"][send] - _correction_ns(trace, report, send, c["end"][send])
         recv_start = c["start"][recv] - _correction_ns(trace, report, recv, c["start"][recv])
         waited = recv_start < send_end
@@ -190,10 +199,28 @@ def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = N
             instance = np.concatenate([instance, ids, ids])
             report, models = _fit(trace, rows, instance, c["end"][rows], False, prior)
             p2p_anchors = int(used.sum())
+    for (rank, window), (offset, drift) in (fitted or {}).items():
+        if window in known and rank in report:
+            report[rank].offset_us[window] = offset
+            report[rank].drift_ppm[window] = drift
     _apply(trace, report)
-    unanchored = sorted(rank for rank, entry in report.items() if entry.anchors == 0)
+    unanchored = sorted(rank for rank, entry in report.items() if entry.anchors == 0 and not entry.offset_us)
     return Alignment(ranks=report, model=models, anchors=int(len(rows)), unanchored=unanchored,
                      p2p_anchors=p2p_anchors)
+
+
+def _known_windows(trace: GlobalTrace, fitted: dict[tuple[int, int], tuple[float, float]]) -> np.ndarray:
+    """Windows that every rank of the trace has in `fitted`."""
+    if not fitted:
+        return np.zeros(0, dtype=np.int64)
+    windows = {window for _, window in fitted}
+    return np.array(sorted(w for w in windows if all((rank, w) in fitted for rank in trace.ranks)), dtype=np.int64)
+
+
+def fitted_windows(alignment: Alignment, windows: int) -> dict[tuple[int, int], tuple[float, float]]:
+    """The corrections of windows 0 .. windows-1 of `alignment`, to pass to a later align()."""
+    return {(rank, window): (offset, entry.drift_ppm.get(window, 0.0))
+            for rank, entry in alignment.ranks.items() for window, offset in entry.offset_us.items() if window < windows}
 
 
 def _balanced_link_weights(src: np.ndarray, dst: np.ndarray, window: np.ndarray) -> np.ndarray:

@@ -9,6 +9,7 @@ quarter of the cost of opening, reading and closing each file, measured with 60 
 from __future__ import annotations
 
 import os
+import threading
 
 _TASKS = "/proc/self/task"
 
@@ -51,9 +52,11 @@ class ThreadCounters:
 
 
 class IterationCounters:
-    """Deltas of the counters over one iteration: `begin()` then `end()` -> {cpu_ms, cpu_wait_ms}.
-    Summed over the threads alive at both reads: a thread that started or ended in between would
-    otherwise add or remove its whole history."""
+    """Deltas of the counters over one iteration: `begin()` then `end()` -> {cpu_ms, cpu_wait_ms,
+    main_cpu_ms, main_wait_ms}. Summed over the threads alive at both reads (a thread that started
+    or ended in between would otherwise add or remove its whole history), and the training thread's
+    own (the one calling `begin`): it runs the forward and backward, so its run-queue wait is the
+    time compute stood still, without the dozens of communication threads' short wake-ups."""
 
     def __init__(self) -> None:
         self._threads = ThreadCounters()
@@ -62,6 +65,7 @@ class IterationCounters:
 
     def begin(self) -> None:
         self._start = self._threads.read() if self.available else None
+        self._main = str(threading.get_native_id())
 
     def end(self) -> dict[str, float]:
         if self._start is None:
@@ -72,7 +76,11 @@ class IterationCounters:
         both = [tid for tid in now if tid in self._start]
         cpu = sum(now[t][0] - self._start[t][0] for t in both)
         wait = sum(now[t][1] - self._start[t][1] for t in both)
-        return {"cpu_ms": round(cpu / 1e6, 3), "cpu_wait_ms": round(wait / 1e6, 3)}
+        counters = {"cpu_ms": round(cpu / 1e6, 3), "cpu_wait_ms": round(wait / 1e6, 3)}
+        if self._main in both:
+            counters["main_cpu_ms"] = round((now[self._main][0] - self._start[self._main][0]) / 1e6, 3)
+            counters["main_wait_ms"] = round((now[self._main][1] - self._start[self._main][1]) / 1e6, 3)
+        return counters
 
     def close(self) -> None:
         self.available = False

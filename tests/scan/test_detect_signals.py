@@ -49,6 +49,35 @@ def test_a_starved_rank_is_found_and_healthy_contention_is_not():
     assert "no host counters" in host_starvation(data()).notes[0]
 
 
+def test_a_quota_from_outside_shows_in_the_training_threads_wait_two_iterations_after_it_began():
+    """Real host counters (tests/scan/data): PP=2 x DP=2 on a 2-core host, rank 1 under a 0.15-core
+    cgroup quota from iteration 13. As online detection sees the run window by window, the training
+    thread's stretch names rank 1 from its first two slowed iterations (analysing through 14, onset
+    13) and never before; the all-thread sum, which the communication threads' wake-ups make about
+    three times as noisy, needed two more iterations on the same run."""
+    import json
+    from pathlib import Path
+
+    fixture = json.loads((Path(__file__).parent / "data" / "host_counters_pp2dp2_rank1_quota_from_13.json").read_text())
+    full = table([tuple(r) for r in fixture["rows"]], tuple(fixture["columns"]))
+
+    def through(last: int, *, training_thread: bool = True) -> dict:
+        keep = full["iteration"] <= last
+        host = {name: column[keep] for name, column in full.items()}
+        if not training_thread:  # a trace of an older version: no training-thread counters
+            host = {name: host[name] for name in ("rank", "iteration", "cpu_ms", "cpu_wait_ms")}
+        stage = host_starvation(data(world=4, dp=2, pp=2, host=host))
+        return {rank: f for rank, f in stage.findings.items() if f.flagged}
+
+    for last in range(6, 14):
+        assert not through(last), last
+    first = through(14)
+    assert list(first) == [1] and first[1].onset_iteration == 13 and first[1].training_thread
+    assert list(through(23)) == [1]
+    assert not through(14, training_thread=False)  # the same iterations through all threads' sums
+    assert list(through(16, training_thread=False)) == [1]
+
+
 def compute_rows(stalls: dict[int, float], iterations: int = 12, tasks: int = 16) -> dict[str, np.ndarray]:
     """Every task 10 ms with 10% jitter; a stalled rank loses `stall` ms in a quarter of its tasks."""
     rows = []

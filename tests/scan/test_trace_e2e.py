@@ -129,6 +129,23 @@ def test_clock_alignment_recovers_the_skewed_rank(aggregated_tp2_pp2, traced_tp2
     assert np.percentile(raw_spread, 90) > 30_000
 
 
+def test_windows_aligned_before_are_reused_not_fitted_again(aggregated_tp2_pp2, traced_tp2_pp2):
+    """Online detection re-reads the growing directory every window: with window 0's corrections
+    from an earlier fit, only window 1 is fitted, and the aligned times are the same."""
+    from megatron.scan.aggregate import aggregate
+    from megatron.scan.align import fitted_windows
+
+    full, _ = aggregated_tp2_pp2
+    trace_dir, _ = traced_tp2_pp2
+    earlier = fitted_windows(full.alignment, 1)
+    assert {window for _, window in earlier} == {0} and len(earlier) == 4
+    again = aggregate(trace_dir, None, jobs=1, fitted=earlier)
+    assert 0 < again.alignment.anchors < full.alignment.anchors  # window 1's anchors only
+    for column in ("start", "end"):
+        assert np.abs(again.trace.columns[column] - full.trace.columns[column]).max() <= 1  # ns
+    assert again.alignment.ranks[SKEWED_RANK].offset_us == full.alignment.ranks[SKEWED_RANK].offset_us
+
+
 def test_event_nesting_is_valid(aggregated_tp2_pp2):
     _, output = aggregated_tp2_pp2
     events = [e for e in json.loads(output.read_text())["traceEvents"] if e["ph"] == "X"]

@@ -80,7 +80,9 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
                             f"{finding.onset_iteration} on ({finding.z:.1f} standard errors; no peer to compare with)")
         if starved is not None and starved.flagged:
             since = f" from iteration {starved.onset_iteration} on" if starved.onset_iteration is not None else ""
-            evidence.append(f"starved of CPU{since}: {starved.ratio:.1f}x the run-queue wait per CPU second of the other "
+            measure = ("its training thread's wait for a CPU per CPU second (as a stretch of its compute)"
+                       if starved.training_thread else "the run-queue wait per CPU second")
+            evidence.append(f"starved of CPU{since}: {starved.ratio:.1f}x {measure} of the other "
                             f"ranks on its host in {starved.starved_iterations} of {starved.iterations} iterations "
                             f"({100 * starved.wait_share:.0f}% of its runnable time spent waiting for a CPU)")
         corroborated = 0.0

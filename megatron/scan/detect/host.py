@@ -1,7 +1,8 @@
 """Stage 4, host counters: a rank starved of its CPU (a cgroup quota, a noisy neighbour, a
 time-shared host) spends its runnable time waiting for a CPU instead of running. Per traced
-iteration the tracer records each rank's CPU time and run-queue wait; a rank whose wait per CPU
-second is far above the other ranks' on the same host, iteration after iteration, is starved.
+iteration the tracer records each rank's CPU time and run-queue wait, for the training thread and
+for all threads; a rank whose training thread stretches its CPU time with waiting far more than
+the other ranks' on the same host, iteration after iteration (or from an onset on), is starved.
 Ranks waiting for their peers sleep and accrue no run-queue wait, so victims stay clean."""
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ class StarvationFinding:
     rank: int
     iterations: int
     starved_iterations: int  # iterations with more wait per CPU second than the host's other ranks
-    ratio: float  # median over iterations of (wait / cpu) / the other ranks' median
+    ratio: float  # median over iterations of its starvation level (starvation_level) over the other ranks' median
     wait_share: float  # run-queue wait / (wait + cpu time), over all its traced iterations
+    training_thread: bool = False  # measured on the training thread (else on all threads)
     z: float
     flagged: bool
     onset_iteration: int | None = None  # starved from this iteration on (not before)
@@ -31,6 +33,7 @@ class StarvationFinding:
 class HostStage:
     findings: dict[int, StarvationFinding]
     noise: float = float("nan")
+    training_thread: bool = False  # the training thread's own counters were compared (else all threads')
     notes: list[str] = field(default_factory=list)
 
 
@@ -40,7 +43,7 @@ def host_starvation(data: DetectionInput, *, z_rank: float = 3.5, min_ratio: flo
     if not len(h["rank"]):
         return HostStage(findings={}, notes=["no host counters in the trace (not Linux, or traces of an older "
                                              "version): CPU starvation cannot be measured"])
-    level = np.log(h["cpu_wait_ms"] + 1.0) - np.log(h["cpu_ms"] + 1.0)  # log wait per CPU time
+    level, training_thread = starvation_level(h)
     by_host: dict[str, list[int]] = {}
     for rank in np.unique(h["rank"]).astype(int):
         by_host.setdefault(data.roles[rank].host if rank in data.roles else "", []).append(rank)
@@ -59,7 +62,8 @@ def host_starvation(data: DetectionInput, *, z_rank: float = 3.5, min_ratio: flo
             if valid.sum() < 2:  # online detection looks at windows of two iterations
                 continue
             mine = h["rank"] == rank
-            share = float(h["cpu_wait_ms"][mine].sum() / max(h["cpu_wait_ms"][mine].sum() + h["cpu_ms"][mine].sum(), 1e-9))
+            wait, cpu = (h["main_wait_ms"], h["main_cpu_ms"]) if training_thread else (h["cpu_wait_ms"], h["cpu_ms"])
+            share = float(wait[mine].sum() / max(wait[mine].sum() + cpu[mine].sum(), 1e-9))
             ratios[rank] = (matrix[valid, j] - np.nanmedian(others[valid], axis=1), share, iterations[valid])
     if not ratios:
         return HostStage(findings={}, notes=["host counters: no two ranks on one host to compare"])
@@ -79,5 +83,19 @@ def host_starvation(data: DetectionInput, *, z_rank: float = 3.5, min_ratio: flo
                 starved = len(ratio)
         findings[rank] = StarvationFinding(rank=rank, iterations=len(ratio), starved_iterations=starved,
                                            ratio=float(np.exp(median)), wait_share=share, z=float(z), flagged=flagged,
-                                           onset_iteration=onset)
-    return HostStage(findings=findings, noise=noise)
+                                           onset_iteration=onset, training_thread=training_thread)
+    return HostStage(findings=findings, noise=noise, training_thread=training_thread)
+
+
+def starvation_level(h: dict[str, np.ndarray]) -> tuple[np.ndarray, bool]:
+    """Per row, how starved the rank was in that iteration, and whether the training thread's own
+    counters were used. The training thread's stretch, log((wait + cpu) / cpu): the factor by
+    which waiting for a CPU lengthened the compute it ran (0 when never kept waiting). Without
+    those counters (traces of an older version), all threads' log wait per CPU time: a gloo rank's
+    dozens of communication threads wake briefly and often, which made that series about three
+    times as noisy (log spread 0.8-0.9 against 0.26-0.31 over the same iterations of 4 ranks on 2
+    cores), so an onset needed more iterations to stand out."""
+    main_wait, main_cpu = h.get("main_wait_ms"), h.get("main_cpu_ms")
+    if main_wait is not None and len(main_wait) and np.isfinite(main_wait).all() and np.isfinite(main_cpu).all():
+        return np.log(main_wait + main_cpu + 1.0) - np.log(main_cpu + 1.0), True
+    return np.log(h["cpu_wait_ms"] + 1.0) - np.log(h["cpu_ms"] + 1.0), False

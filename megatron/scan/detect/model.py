@@ -65,7 +65,7 @@ COMPUTE_COLUMNS = ("rank", "iteration", "kind", "chunk", "microbatch", "start", 
 COLLECTIVE_COLUMNS = ("instance", "rank", "arrive", "end", "group_size", "kind")
 P2P_COLUMNS = ("src", "dst", "iteration", "backward", "send_start", "send_end", "recv_start", "recv_end", "bytes")
 ITERATION_COLUMNS = ("rank", "iteration", "start", "end")
-HOST_COLUMNS = ("rank", "iteration", "cpu_ms", "cpu_wait_ms")
+HOST_COLUMNS = ("rank", "iteration", "cpu_ms", "cpu_wait_ms", "main_cpu_ms", "main_wait_ms")
 LAYER_COLUMNS = ("rank", "iteration", "kind", "layer", "busy")
 
 
@@ -94,7 +94,10 @@ def _empty_float(names: tuple[str, ...]) -> dict[str, np.ndarray]:
 
 def host_table(windows: dict[int, list[dict]]) -> dict[str, np.ndarray]:
     """The per-iteration host counters the tracer put in each window's metrics."""
-    rows = [(rank, m["iteration"], m["cpu_ms"], m["cpu_wait_ms"]) for rank, ws in windows.items() for w in ws
+    # The training thread's own counters are NaN in traces written before they were recorded.
+    rows = [(rank, m["iteration"], m["cpu_ms"], m["cpu_wait_ms"], m.get("main_cpu_ms", np.nan),
+             m.get("main_wait_ms", np.nan))
+            for rank, ws in windows.items() for w in ws
             for m in w.get("metrics") or [] if "cpu_wait_ms" in m and "iteration" in m]
     if not rows:
         return _empty_float(HOST_COLUMNS)
