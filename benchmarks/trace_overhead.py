@@ -140,8 +140,8 @@ def side_by_side_times(procs: dict[str, subprocess.Popen], layout: str,
         thread.join()
     if set(readers) != set(procs):
         raise SystemExit(f"a {layout} run failed (see above)")
-    begin = max(min((at for it, (_, at) in t.items() if it >= warmup), default=float("inf")) for t in readers.values())
-    end = min(max(at for _, at in t.values()) for t in readers.values())
+    begin = max(min((at for it, (_, at, _) in t.items() if it >= warmup), default=float("inf")) for t in readers.values())
+    end = min(max(at for _, at, _ in t.values()) for t in readers.values())
     kept = {kind: {it: (ms, cpu) for it, (ms, at, cpu) in t.items() if begin <= at <= end} for kind, t in readers.items()}
     return ({kind: {it: ms for it, (ms, _) in t.items()} for kind, t in kept.items()},
             {kind: cpu_ms_per_iteration(t) for kind, t in kept.items()})
