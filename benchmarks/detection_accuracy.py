@@ -282,9 +282,9 @@ def windows_between(applied: int, last: int, interval: int, continuous: int) -> 
 def windows_begun_after(applied: int, last: int, interval: int, continuous: int) -> int:
     """Like windows_between, counting from the first window that began after the fault took
     effect: iteration `applied` is the one whose log line came first after it, so it may have run
-    partly before it, and the iterations after it began under the fault."""
-    first_window = -(-(applied + 1) // interval)
-    return (last - continuous + 1) // interval - first_window + 1
+    partly before it, and the iterations after it began under the fault. (The first window
+    holding an iteration >= applied + continuous is the first one starting after `applied`.)"""
+    return windows_between(applied + continuous, last, interval, continuous)
 
 
 def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1),
