@@ -142,6 +142,12 @@ def external_scenarios(iterations: int) -> list:
              throttles=[Throttle(rank=2, fraction=0.3, onset=early)]),
         make("pp2-dp2 throttle r0+r3 0.3 core", "pp2-dp2", [0, 3],
              throttles=[Throttle(rank=0, fraction=0.3), Throttle(rank=3, fraction=0.3)]),
+        # Two ranks that each hold back their own replica: DP peers, and the two ranks of one stage
+        # (where neither has a healthy same-stage peer to be compared with).
+        make("dp4 throttle r1+r2 0.3 core", "dp4", [1, 2],
+             throttles=[Throttle(rank=1, fraction=0.3), Throttle(rank=2, fraction=0.3)]),
+        make("pp2-dp2 throttle r2+r3 0.3 core", "pp2-dp2", [2, 3],
+             throttles=[Throttle(rank=2, fraction=0.3), Throttle(rank=3, fraction=0.3)]),
         make("tp2-pp2 throttle r2 0.3 core", "tp2-pp2", [2], throttles=[Throttle(rank=2, fraction=0.3)]),
         make("tp2-dp2 throttle r3 0.3 core", "tp2-dp2", [3], throttles=[Throttle(rank=3, fraction=0.3)]),
         make("dp4 throttle r2 0.3 core", "dp4", [2], throttles=[Throttle(rank=2, fraction=0.3)]),

@@ -49,17 +49,48 @@ def test_a_starved_rank_is_found_and_healthy_contention_is_not():
     assert "no host counters" in host_starvation(data()).notes[0]
 
 
+def real_host_counters(name: str) -> dict[str, np.ndarray]:
+    """Host counters kept from a real traced run (tests/scan/data/NAME; its "about" says which)."""
+    import json
+    from pathlib import Path
+
+    fixture = json.loads((Path(__file__).parent / "data" / name).read_text())
+    return table([tuple(r) for r in fixture["rows"]], tuple(fixture["columns"]))
+
+
+def starved_through(host: dict[str, np.ndarray], last: int, **layout) -> list[int]:
+    keep = host["iteration"] <= last
+    stage = host_starvation(data(world=4, host={name: column[keep] for name, column in host.items()}, **layout))
+    return [rank for rank, f in stage.findings.items() if f.flagged]
+
+
+def test_a_quarter_core_quota_on_a_pipeline_only_rank_is_named_from_its_host_counters():
+    """Real host counters: PP=4 on a 2-core host, rank 1 under a 0.25-core quota from the start.
+    With no same-stage peer, the host counters are what names it; its training thread's stretch was
+    1.9x the other ranks' (the lowest of 7 such runs), which the floor used for the all-thread sums
+    (2x) missed, leaving the run `partial`."""
+    host = real_host_counters("host_counters_pp4_rank1_quarter_core.json")
+    assert starved_through(host, 9, dp=1, pp=4) == [1]
+    finding = host_starvation(data(world=4, dp=1, pp=4, host=host)).findings[1]
+    assert 1.6 < finding.ratio < 2.0 and finding.training_thread and finding.onset_iteration is None
+
+
+def test_the_most_contended_healthy_rank_seen_is_not_called_starved_at_any_point_of_its_run():
+    """Real host counters of a healthy PP=2 x DP=2 run in which one rank waited for a CPU 1.3x as
+    much as its peers (the most of 9 healthy runs): nobody is starved, after any iteration, as
+    online detection would look."""
+    host = real_host_counters("host_counters_pp2dp2_healthy.json")
+    for last in range(3, int(host["iteration"].max()) + 1):
+        assert starved_through(host, last, dp=2, pp=2) == [], last
+
+
 def test_a_quota_from_outside_shows_in_the_training_threads_wait_two_iterations_after_it_began():
     """Real host counters (tests/scan/data): PP=2 x DP=2 on a 2-core host, rank 1 under a 0.15-core
     cgroup quota from iteration 13. As online detection sees the run window by window, the training
     thread's stretch names rank 1 from its first two slowed iterations (analysing through 14, onset
     13) and never before; the all-thread sum, which the communication threads' wake-ups make about
     three times as noisy, needed two more iterations on the same run."""
-    import json
-    from pathlib import Path
-
-    fixture = json.loads((Path(__file__).parent / "data" / "host_counters_pp2dp2_rank1_quota_from_13.json").read_text())
-    full = table([tuple(r) for r in fixture["rows"]], tuple(fixture["columns"]))
+    full = real_host_counters("host_counters_pp2dp2_rank1_quota_from_13.json")
 
     def through(last: int, *, training_thread: bool = True) -> dict:
         keep = full["iteration"] <= last
@@ -242,3 +273,15 @@ def test_a_gpu_time_shared_mid_run_is_named_from_its_first_slow_iteration():
     assert finding.method == "history" and finding.flagged
     assert finding.onset_iteration in (71, 72), finding
     assert 2.0 < finding.slowdown < 2.3
+
+
+def test_two_starved_ranks_of_one_stage_are_both_named_though_each_keeps_pace_with_the_other():
+    """PP=2 x DP=2: ranks 2 and 3 (the second stage's only two ranks) both starved of CPU. Each
+    computes as fast as its one same-stage peer, which clears a starved rank only when that peer is
+    not starved itself; a starved rank keeping pace with a healthy peer is still not named."""
+    both = detect(data(dp=2, pp=2, compute=compute_rows({}), host=host_rows({2: 6.0, 3: 6.0})))
+    assert sorted(s.ranks[0] for s in both.suspects) == [2, 3]
+    assert all(any("starved of CPU" in e for e in s.evidence) for s in both.suspects)
+    one = detect(data(dp=2, pp=2, compute=compute_rows({3: 25.0}), host=host_rows({2: 6.0})))
+    assert one.host.findings[2].flagged and one.compute.findings[2].slowdown < 1.0
+    assert [s.ranks[0] for s in one.suspects] == [3]

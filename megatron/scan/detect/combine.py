@@ -46,14 +46,18 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
     stage1, stage2, stage3, stage4 = compute(data), arrival(data), pipeline(data), host(data)
     notes = [*data.warnings, *stage1.notes, *stage2.notes, *stage3.notes, *stage4.notes]
     suspects: list[Suspect] = []
+    starved_ranks = {rank for rank, f in stage4.findings.items() if f.flagged}
     for rank in data.world:
         finding, arrival_finding = stage1.findings.get(rank), stage2.findings.get(rank)
         starved = stage4.findings.get(rank)
         compute_named = finding is not None and finding.flagged
         # CPU starvation names a rank whose compute is not faster than its peers' (a starved rank
-        # that nonetheless keeps pace is not what slows the job), or that has no peer to compare.
+        # that nonetheless keeps pace is not what slows the job), that has no peer to compare, or
+        # whose peers are all starved too (keeping pace with them clears nobody: two throttled
+        # ranks of one stage).
         host_named = (starved is not None and starved.flagged
-                      and (finding is None or finding.method == "history" or finding.slowdown >= 1.0))
+                      and (finding is None or finding.method == "history" or finding.slowdown >= 1.0
+                           or all(peer in starved_ranks for peer in finding.peers)))
         if not (compute_named or host_named):
             continue
         evidence = []
@@ -81,7 +85,7 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
         if starved is not None and starved.flagged:
             since = f" from iteration {starved.onset_iteration} on" if starved.onset_iteration is not None else ""
             measure = ("its training thread's wait for a CPU per CPU second (as a stretch of its compute)"
-                       if starved.training_thread else "the run-queue wait per CPU second")
+                       if starved.training_thread else "all its threads' run-queue wait per CPU second")
             evidence.append(f"starved of CPU{since}: {starved.ratio:.1f}x {measure} of the other "
                             f"ranks on its host in {starved.starved_iterations} of {starved.iterations} iterations "
                             f"({100 * starved.wait_share:.0f}% of its runnable time spent waiting for a CPU)")

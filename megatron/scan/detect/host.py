@@ -1,9 +1,14 @@
 """Stage 4, host counters: a rank starved of its CPU (a cgroup quota, a noisy neighbour, a
 time-shared host) spends its runnable time waiting for a CPU instead of running. Per traced
 iteration the tracer records each rank's CPU time and run-queue wait, for the training thread and
-for all threads; a rank whose training thread stretches its CPU time with waiting far more than
-the other ranks' on the same host, iteration after iteration (or from an onset on), is starved.
-Ranks waiting for their peers sleep and accrue no run-queue wait, so victims stay clean."""
+for all threads; a rank that waits for a CPU far more than the other ranks on the same host,
+iteration after iteration (or from an onset on), is starved. Ranks waiting for their peers sleep
+and accrue no run-queue wait, so victims stay clean.
+
+Two views of the same starvation are judged, each against its own floor, and either names the
+rank: the training thread's stretch of its compute (the steadier where a few ranks share cores
+between pipeline bubbles) and all threads' wait per CPU second (the stronger where a rank's
+communication threads carry its collectives, as in tensor parallelism)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,17 +18,22 @@ import numpy as np
 from megatron.scan.detect.compute import series_noise, significant_onset
 from megatron.scan.detect.model import DetectionInput
 
-_MAD = 1.4826
+# The stretch (wait + cpu) / cpu compresses ratios that wait per CPU second shows in full: a rank
+# waiting 3 ms per CPU ms beside peers waiting 0.45 is 6.7x on the latter, 2.8x as a stretch. On
+# 4 ranks over 2 cores (10-14 iterations) a quarter-core quota stretched its rank 1.9-2.6x its
+# peers' (7 runs of TP=2 x PP=2 and PP=4); healthy ranks reached at most 1.31x.
+MIN_STRETCH_RATIO = 1.6
+MIN_WAIT_RATIO = 2.0
 
 
 @dataclass(kw_only=True)
 class StarvationFinding:
     rank: int
     iterations: int
-    starved_iterations: int  # iterations with more wait per CPU second than the host's other ranks
-    ratio: float  # median over iterations of its starvation level (starvation_level) over the other ranks' median
-    wait_share: float  # run-queue wait / (wait + cpu time), over all its traced iterations
-    training_thread: bool = False  # measured on the training thread (else on all threads)
+    starved_iterations: int  # iterations in which it was more starved than the host's other ranks
+    ratio: float  # median over iterations of its starvation level over the other ranks' median
+    wait_share: float  # run-queue wait / (wait + cpu time) over its traced iterations, of the measure's threads
+    training_thread: bool = False  # judged on the training thread's stretch (else all threads' wait per CPU second)
     z: float
     flagged: bool
     onset_iteration: int | None = None  # starved from this iteration on (not before)
@@ -32,22 +42,47 @@ class StarvationFinding:
 @dataclass(kw_only=True)
 class HostStage:
     findings: dict[int, StarvationFinding]
-    noise: float = float("nan")
-    training_thread: bool = False  # the training thread's own counters were compared (else all threads')
+    noise: float = float("nan")  # of the first measure judged (the training thread's, when recorded)
+    training_thread: bool = False  # the training thread's own counters were recorded and judged
     notes: list[str] = field(default_factory=list)
 
 
-def host_starvation(data: DetectionInput, *, z_rank: float = 3.5, min_ratio: float = 2.0,
-                    min_consistency: float = 0.7) -> HostStage:
+def host_starvation(data: DetectionInput, *, z_rank: float = 3.5, min_stretch: float = MIN_STRETCH_RATIO,
+                    min_wait: float = MIN_WAIT_RATIO, min_consistency: float = 0.7) -> HostStage:
+    """Each measure of starvation_levels judged on its own (min_stretch for the training thread's
+    stretch, min_wait for all threads' wait per CPU second: how many times the other ranks' level
+    a rank's must be); a rank is starved when either measure says so."""
     h = data.host
     if not len(h["rank"]):
         return HostStage(findings={}, notes=["no host counters in the trace (not Linux, or traces of an older "
                                              "version): CPU starvation cannot be measured"])
-    level, training_thread = starvation_level(h)
     by_host: dict[str, list[int]] = {}
     for rank in np.unique(h["rank"]).astype(int):
         by_host.setdefault(data.roles[rank].host if rank in data.roles else "", []).append(rank)
-    ratios: dict[int, tuple[np.ndarray, float]] = {}
+    measures = starvation_levels(h)
+    findings: dict[int, StarvationFinding] = {}
+    noises = []
+    for level, training_thread in measures:
+        ratios = _against_host_peers(h, level, training_thread, by_host)
+        if not ratios:
+            return HostStage(findings={}, notes=["host counters: no two ranks on one host to compare"])
+        noise = series_noise([r for r, *_ in ratios.values()], default=0.3, floor=0.05)
+        noises.append(noise)
+        for rank, (ratio, share, iterations) in ratios.items():
+            finding = _judge(rank, ratio, share, iterations, noise, z_rank=z_rank,
+                             min_ratio=min_stretch if training_thread else min_wait,
+                             min_consistency=min_consistency, training_thread=training_thread)
+            if rank not in findings or (finding.flagged and not findings[rank].flagged):
+                findings[rank] = finding
+    return HostStage(findings=findings, noise=noises[0], training_thread=measures[0][1])
+
+
+def _against_host_peers(h: dict[str, np.ndarray], level: np.ndarray, training_thread: bool,
+                        by_host: dict[str, list[int]]) -> dict[int, tuple[np.ndarray, float, np.ndarray]]:
+    """Per rank with a peer on its host: its level less the median of the other ranks' at each
+    iteration (a log ratio), its measure's wait share, and the iterations compared."""
+    wait, cpu = (h["main_wait_ms"], h["main_cpu_ms"]) if training_thread else (h["cpu_wait_ms"], h["cpu_ms"])
+    ratios = {}
     for ranks in by_host.values():
         if len(ranks) < 2:
             continue
@@ -62,40 +97,43 @@ def host_starvation(data: DetectionInput, *, z_rank: float = 3.5, min_ratio: flo
             if valid.sum() < 2:  # online detection looks at windows of two iterations
                 continue
             mine = h["rank"] == rank
-            wait, cpu = (h["main_wait_ms"], h["main_cpu_ms"]) if training_thread else (h["cpu_wait_ms"], h["cpu_ms"])
             share = float(wait[mine].sum() / max(wait[mine].sum() + cpu[mine].sum(), 1e-9))
             ratios[rank] = (matrix[valid, j] - np.nanmedian(others[valid], axis=1), share, iterations[valid])
-    if not ratios:
-        return HostStage(findings={}, notes=["host counters: no two ranks on one host to compare"])
-    noise = series_noise([r for r, *_ in ratios.values()], default=0.3, floor=0.05)
-    findings = {}
-    for rank, (ratio, share, iterations) in ratios.items():
-        median = float(np.median(ratio))
-        z = median / (1.2533 * noise / np.sqrt(len(ratio)))
-        starved = int(np.sum(ratio > 0))
-        flagged = bool(z > z_rank and np.exp(median) >= min_ratio and starved >= min_consistency * len(ratio))
-        onset = None
-        if not flagged:  # starved from mid-run on (or, online, in the last windows)
-            change = significant_onset(ratio, noise, z_rank, min_ratio)
-            if change is not None:
-                flagged, median, z, onset = True, change[0], change[1], int(iterations[change[2]])
-                ratio = ratio[change[2]:]
-                starved = len(ratio)
-        findings[rank] = StarvationFinding(rank=rank, iterations=len(ratio), starved_iterations=starved,
-                                           ratio=float(np.exp(median)), wait_share=share, z=float(z), flagged=flagged,
-                                           onset_iteration=onset, training_thread=training_thread)
-    return HostStage(findings=findings, noise=noise, training_thread=training_thread)
+    return ratios
 
 
-def starvation_level(h: dict[str, np.ndarray]) -> tuple[np.ndarray, bool]:
-    """Per row, how starved the rank was in that iteration, and whether the training thread's own
-    counters were used. The training thread's stretch, log((wait + cpu) / cpu): the factor by
-    which waiting for a CPU lengthened the compute it ran (0 when never kept waiting). Without
-    those counters (traces of an older version), all threads' log wait per CPU time: a gloo rank's
-    dozens of communication threads wake briefly and often, which made that series about three
-    times as noisy (log spread 0.8-0.9 against 0.26-0.31 over the same iterations of 4 ranks on 2
-    cores), so an onset needed more iterations to stand out."""
+def _judge(rank: int, ratio: np.ndarray, share: float, iterations: np.ndarray, noise: float, *, z_rank: float,
+           min_ratio: float, min_consistency: float, training_thread: bool) -> StarvationFinding:
+    """Starved over the whole series (z, ratio, and more starved than the others in
+    min_consistency of the iterations), or else from an onset on (or, online, in the last windows)."""
+    median = float(np.median(ratio))
+    z = median / (1.2533 * noise / np.sqrt(len(ratio)))
+    starved = int(np.sum(ratio > 0))
+    flagged = bool(z > z_rank and np.exp(median) >= min_ratio and starved >= min_consistency * len(ratio))
+    onset = None
+    if not flagged:
+        change = significant_onset(ratio, noise, z_rank, min_ratio)
+        if change is not None:
+            flagged, median, z, onset = True, change[0], change[1], int(iterations[change[2]])
+            ratio = ratio[change[2]:]
+            starved = len(ratio)
+    return StarvationFinding(rank=rank, iterations=len(ratio), starved_iterations=starved, ratio=float(np.exp(median)),
+                             wait_share=share, z=float(z), flagged=flagged, onset_iteration=onset,
+                             training_thread=training_thread)
+
+
+def starvation_levels(h: dict[str, np.ndarray]) -> list[tuple[np.ndarray, bool]]:
+    """Per row, how starved the rank was in that iteration, by each measure the trace allows, with
+    whether it is the training thread's. The training thread's stretch, log((wait + cpu) / cpu):
+    the factor by which waiting for a CPU lengthened the compute it ran (0 when never kept
+    waiting). A gloo rank's dozens of communication threads wake briefly and often: in a PP=2 x
+    DP=2 run under a 0.15-core quota the stretch was about three times less noisy than the
+    all-thread series (log spread 0.26-0.31 against 0.8-0.9) and named the rank two iterations
+    sooner. All threads' log wait per CPU time: in TP=2 layouts under a 0.3-core quota it stood
+    about twice as far above its noise as the stretch (the communication threads, busy with the
+    collectives, wait too). Traces of older versions have only the latter."""
+    all_threads = np.log(h["cpu_wait_ms"] + 1.0) - np.log(h["cpu_ms"] + 1.0)
     main_wait, main_cpu = h.get("main_wait_ms"), h.get("main_cpu_ms")
     if main_wait is not None and len(main_wait) and np.isfinite(main_wait).all() and np.isfinite(main_cpu).all():
-        return np.log(main_wait + main_cpu + 1.0) - np.log(main_cpu + 1.0), True
-    return np.log(h["cpu_wait_ms"] + 1.0) - np.log(h["cpu_ms"] + 1.0), False
+        return [(np.log(main_wait + main_cpu + 1.0) - np.log(main_cpu + 1.0), True), (all_threads, False)]
+    return [(all_threads, False)]
