@@ -4,10 +4,14 @@ with injected slowdowns (1.15x to 3x) and link delays. Prints one row per scenar
 With --external, real runs whose faults come from outside the job (cgroup CPU quotas through
 `python -m megatron.scan fault`) and from the in-process injector, each repeated --repeat times
 beside healthy runs of every layout: hit rate, wrong names and job-level slowdown per scenario,
-precision / recall / top-1 over all runs, and the resolution.
+precision / recall / top-1 over all runs, and the resolution. With --replay-online, those kept
+runs replayed window by window through the online analysis (wrong alerts over every window); with
+--online, live --online-detect runs against a throttle applied mid-run (time to detect).
 
     python benchmarks/detection_accuracy.py [--real] [--max-ranks 1024]
-    python benchmarks/detection_accuracy.py --external --repeat 5 [--jitter-sweep] [--keep DIR]"""
+    python benchmarks/detection_accuracy.py --external --repeat 5 [--jitter-sweep] [--keep DIR]
+    python benchmarks/detection_accuracy.py --replay-online --iterations 14 --keep DIR
+    python benchmarks/detection_accuracy.py --online --repeat 3 --iterations 24 [--keep DIR]"""
 from __future__ import annotations
 
 import argparse
@@ -294,11 +298,14 @@ def windows_begun_after(applied: int, last: int, interval: int, continuous: int)
 
 
 def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1),
-               fractions: tuple[float, ...] = (0.15, 0.3)) -> None:
+               fractions: tuple[float, ...] = (0.15, 0.3), keep: str | None = None) -> None:
     """--online-detect against a throttle applied from outside mid-run (windows of `window` =
     (--trace-interval, --continuous-trace-iterations)): time from the throttle to the first alert
     naming its rank, in traced windows and seconds, and the job's slowdown and how often the quota
-    bound (a quota near what the rank asks for binds rarely and slows it little)."""
+    bound (a quota near what the rank asks for binds rarely and slows it little). With `keep`,
+    each run's traces are kept under it and replayed window by window after the run
+    (replay_windows): an alert of the live run that the replay does not raise came from the
+    live setting (the analysis process beside the job), not from the detectors."""
     import statistics
 
     from fault_runs import Scenario, Throttle
@@ -323,8 +330,15 @@ def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1),
     rows = {s.name: [] for s in scenarios}
     for round_ in range(repeat):
         for scenario in scenarios:
-            with tempfile.TemporaryDirectory() as directory:
-                outcome = run_scenario(scenario, Path(directory))
+            replayed = None
+            with tempfile.TemporaryDirectory() as scratch:
+                directory = Path(keep) / f"online-{scenario.name.replace(' ', '_').replace(',', '')}-{round_}" \
+                    if keep else Path(scratch)
+                outcome = run_scenario(scenario, directory)
+                if keep and outcome.returncode == 0:
+                    (directory / "job.log").write_text(outcome.stdout)
+                    replayed = sum(1 for _, alerts in replay_windows(directory)
+                                   if {a["ranks"][0] for a in alerts if a["kind"] == "rank"} - set(scenario.expected))
             lines = outcome.stdout.splitlines(keepends=True)
             first, wrong = None, []
             applied = outcome.onset_iteration()  # the tool starts in ~1 s: a few iterations after `onset`
@@ -349,30 +363,115 @@ def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1),
             acted = quota_acted("".join(outcome.fault_output)).get(str(scenario.expected[0]), float("nan")) \
                 if scenario.expected else float("nan")
             rows[scenario.name].append({"ok": outcome.returncode == 0, "first": first, "wrong": len(wrong),
-                                        "slowdown": slowdown, "acted": acted})
+                                        "slowdown": slowdown, "acted": acted, "replayed_wrong": replayed})
             print(f"[online {round_ + 1}/{repeat}] {scenario.name}: throttle applied at iteration {applied}, job "
                   f"{slowdown:.2f}x, quota bound in {acted:.0%} of periods; first alert (windows, seconds) {first}; "
-                  f"wrong alerts {len(wrong)}: {', '.join(wrong) or '-'}", file=sys.stderr, flush=True)
+                  f"wrong alerts {len(wrong)}: {', '.join(wrong) or '-'}"
+                  f"{'' if replayed is None else f'; replayed from its traces, analyses with a wrong alert {replayed}'}",
+                  file=sys.stderr, flush=True)
     print("\n| online scenario | runs | job slowdown (median) | quota bound (median share of periods) | detected "
           "| within 2 windows | windows to detect (median / max) | within 2 windows begun under the fault "
-          "| seconds (median / max) | runs with a wrong alert |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| seconds (median / max) | runs with a wrong alert | the same runs replayed (--keep) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for scenario in scenarios:
         runs = [r for r in rows[scenario.name] if r["ok"]]
+        replayed = [r["replayed_wrong"] for r in runs if r["replayed_wrong"] is not None]
+        replay = f"{sum(1 for n in replayed if n)}/{len(replayed)}" if replayed else "-"
         found = [r["first"] for r in runs if r["first"] is not None]
         windows = [f[0] for f in found]
         seconds = [f[1] for f in found]
         slow = statistics.median(r["slowdown"] for r in runs) if runs else float("nan")
         acted = statistics.median(r["acted"] for r in runs) if runs else float("nan")
         if not scenario.expected:
-            print(f"| {scenario.name} | {len(runs)} | - | - | - | - | - | - | - | {sum(1 for r in runs if r['wrong'])}/{len(runs)} |")
+            print(f"| {scenario.name} | {len(runs)} | - | - | - | - | - | - | - | "
+                  f"{sum(1 for r in runs if r['wrong'])}/{len(runs)} | {replay} |")
             continue
         print(f"| {scenario.name} | {len(runs)} | {slow:.2f}x | {acted:.0%} | {len(found)}/{len(runs)} | "
               f"{sum(1 for w in windows if w <= 2)}/{len(runs)} | "
               f"{f'{statistics.median(windows):g} / {max(windows)}' if found else '-'} | "
               f"{sum(1 for f in found if f[2] <= 2)}/{len(runs)} | "
               f"{f'{statistics.median(seconds):.1f} / {max(seconds):.1f}' if found else '-'} | "
-              f"{sum(1 for r in runs if r['wrong'])}/{len(runs)} |", flush=True)
+              f"{sum(1 for r in runs if r['wrong'])}/{len(runs)} | {replay} |", flush=True)
+
+
+def kept_runs(keep: str, scenario) -> list[Path]:
+    """The kept --external runs of `scenario` under `keep` that trained to the end."""
+    slug = scenario.name.replace(" ", "_").replace(">", "")
+    runs, round_ = [], 0
+    while (Path(keep) / f"{slug}-{round_}" / "run.json").exists():
+        directory = Path(keep) / f"{slug}-{round_}"
+        if json.loads((directory / "run.json").read_text())["ok"]:
+            runs.append(directory)
+        round_ += 1
+    return runs
+
+
+def replay_windows(directory: Path):
+    """Yield, for k = MIN_ITERATIONS.. the number of windows every rank wrote, (k, online alerts)
+    of `online.analyze` on a copy of `directory` whose trace files hold their first k windows:
+    what --online-detect saw after each window of that run (the same code on the same bytes; only
+    the analysis process's own CPU use, which runs at idle priority, is missing)."""
+    from megatron.scan.detect.online import MIN_ITERATIONS, WindowCounter, analyze
+
+    lines = {path.name: path.read_bytes().splitlines(keepends=True)
+             for path in directory.glob("benchmark-data-*.json")}
+    ends = {name: [i + 1 for i, line in enumerate(rows) if line.startswith(WindowCounter.MARK)]
+            for name, rows in lines.items()}
+    fitted: dict = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for k in range(MIN_ITERATIONS, min(len(e) for e in ends.values()) + 1):
+            for name, rows in lines.items():
+                (Path(scratch) / name).write_bytes(b"".join(rows[:ends[name][k - 1]]))
+            result = analyze(scratch, k - 1, k - 1, fitted)
+            yield k, (result or {}).get("alerts", [])
+
+
+def replay_online(keep: str, iterations: int, only: str | None, max_ranks: int) -> int:
+    """--replay-online: every kept --external run replayed window by window through the online
+    analysis (one-iteration windows, as those runs were traced). Per scenario: runs in which any
+    analysis named a rank or link it should not have (in a healthy run, any alert; the online
+    false-alarm rate, over many more analyses than one offline verdict), and for faults present
+    from the start, in how many runs and after how many windows the faulty ranks were all named."""
+    import statistics
+
+    scenarios = [s for s in external_scenarios(iterations) if s.nproc <= max_ranks
+                 and (only is None or only in s.name or s.healthy)]
+    print("| scenario | runs | runs with a wrong alert | analyses with a wrong alert | named online "
+          "| windows to name (median / max) | wrong alerts, first of each run |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    total_runs = total_wrong = healthy_runs = healthy_wrong = 0
+    for scenario in scenarios:
+        expected = set(scenario.expected) | {tuple(link) for link in scenario.expected_links}
+        runs = kept_runs(keep, scenario)
+        wrong_runs, analyses, wrong_analyses, firsts, examples = 0, 0, 0, [], []
+        for directory in runs:
+            first, wrong = None, []
+            for k, alerts in replay_windows(directory):
+                analyses += 1
+                named = {a["ranks"][0] if a["kind"] == "rank" else tuple(a["ranks"]) for a in alerts}
+                if named - expected:
+                    wrong_analyses += 1
+                    wrong.append(f"{sorted(map(str, named - expected))} after {k}")
+                if expected and first is None and expected <= named:
+                    first = k
+            wrong_runs += bool(wrong)
+            examples += wrong[:1]
+            if first is not None:
+                firsts.append(first)
+            print(f"[replay] {directory.name}: named after {first} windows; wrong alerts: {len(wrong)}",
+                  file=sys.stderr, flush=True)
+        total_runs += len(runs)
+        total_wrong += wrong_runs
+        if scenario.healthy:
+            healthy_runs += len(runs)
+            healthy_wrong += wrong_runs
+        # Mid-run faults: the windows before the fault took effect are counted too.
+        timing = f"{statistics.median(firsts):g} / {max(firsts)}" if firsts and scenario.onset == 0 else "-"
+        print(f"| {scenario.name} | {len(runs)} | {wrong_runs}/{len(runs)} | {wrong_analyses}/{analyses} | "
+              f"{f'{len(firsts)}/{len(runs)}' if expected else '-'} | {timing} | {'; '.join(examples) or '-'} |",
+              flush=True)
+    print(f"\nruns with a wrong online alert: {total_wrong}/{total_runs} (healthy runs: {healthy_wrong}/{healthy_runs})")
+    return 0
 
 
 def statistics_counter(values) -> dict:
@@ -423,10 +522,14 @@ def main() -> int:
     parser.add_argument("--online-fractions", default="0.15,0.3", metavar="F[,F...]",
                         help="--online: the throttles applied mid-run, in cores (default 0.15,0.3: a rank of these "
                              "layouts uses about 0.35 core, so 0.3 binds lightly and 0.15 heavily)")
+    parser.add_argument("--replay-online", action="store_true",
+                        help="replay the --external runs kept under --keep window by window through the online "
+                             "analysis: wrong online alerts over every window, windows to name a fault (minutes)")
     parser.add_argument("--jitter-sweep", action="store_true", help="synthetic detection-limit curve over jitter 10-40%%")
     parser.add_argument("--max-ranks", type=int, default=1024, help="skip scenarios with more ranks than this")
     parser.add_argument("--keep", default=None, metavar="DIR",
-                        help="keep the real runs' traces under DIR; traces already there are re-scored, not re-run")
+                        help="keep the real runs' traces under DIR; --external traces already there are re-scored, "
+                             "not re-run; --online runs kept there are also replayed after each run")
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
@@ -444,9 +547,13 @@ def main() -> int:
                          f"got {args.online_fractions!r}")
         if not all(0 < f < 2 for f in fractions):
             parser.error(f"--online-fractions: each fraction of a core must be in (0, 2), got {args.online_fractions}")
-        run_online(args.repeat, args.iterations, (interval, continuous), fractions)
+        run_online(args.repeat, args.iterations, (interval, continuous), fractions, args.keep)
         if not args.external:
             return 0
+    if args.replay_online:
+        if not args.keep:
+            parser.error("--replay-online replays kept runs: pass --keep DIR (a directory an --external --keep run wrote)")
+        return replay_online(args.keep, args.iterations, args.only, args.max_ranks)
     if args.external:
         code = run_external(args.repeat, args.iterations, args.keep, args.only, args.max_ranks)
         if args.jitter_sweep:

@@ -84,6 +84,23 @@ def test_the_most_contended_healthy_rank_seen_is_not_called_starved_at_any_point
         assert starved_through(host, last, dp=2, pp=2) == [], last
 
 
+def test_a_healthy_rank_stepping_from_less_starved_to_level_with_its_host_is_not_starved():
+    """Real host counters of a healthy PP=2 x DP=2 run: rank 0 waited for a CPU about 0.7x as much
+    as the other ranks for 8 iterations, then about 1.6x for 3. As a step from its own earlier
+    standing that is 2.3x (it was named so); starved means starved against the other ranks on
+    its host, which it never was by the floor, at any point of the run."""
+    host = real_host_counters("host_counters_pp2dp2_healthy_rank0_step.json")
+    for last in range(3, int(host["iteration"].max()) + 1):
+        assert starved_through(host, last, dp=2, pp=2) == [], last
+    # A quota-sized step on the same rank from iteration 9 on is still named from its onset (or
+    # from iteration 8, which already stood above the rank's earlier level).
+    throttled = {name: column.copy() for name, column in host.items()}
+    late = (throttled["rank"] == 0) & (throttled["iteration"] >= 9)
+    throttled["main_wait_ms"][late] += 3 * throttled["main_cpu_ms"][late]
+    finding = host_starvation(data(world=4, dp=2, pp=2, host=throttled)).findings[0]
+    assert finding.flagged and finding.onset_iteration in (8, 9) and finding.ratio > 2, finding
+
+
 def test_a_quota_from_outside_shows_in_the_training_threads_wait_two_iterations_after_it_began():
     """Real host counters (tests/scan/data): PP=2 x DP=2 on a 2-core host, rank 1 under a 0.15-core
     cgroup quota from iteration 13. As online detection sees the run window by window, the training

@@ -213,10 +213,12 @@ def series_noise(series: list[np.ndarray], *, default: float, floor: float = 0.0
 ONSET_PENALTY = 1.0
 
 
-def significant_onset(series: np.ndarray, noise: float, z_rank: float,
-                      min_ratio: float) -> tuple[float, float, int] | None:
-    """onset_shift's best split when it clears z_rank + ONSET_PENALTY and min_ratio, else None."""
-    change = onset_shift(series, noise)
+def significant_onset(series: np.ndarray, noise: float, z_rank: float, min_ratio: float, *,
+                      min_level: float | None = None) -> tuple[float, float, int] | None:
+    """onset_shift's best split when it clears z_rank + ONSET_PENALTY and min_ratio, else None.
+    With `min_level` (a ratio), the later part must also stand that far above the peers, not
+    merely above the rank's own earlier standing (see host_starvation)."""
+    change = onset_shift(series, noise, min_level=-np.inf if min_level is None else float(np.log(min_level)))
     if change is not None and change[1] > z_rank + ONSET_PENALTY and np.exp(change[0]) >= min_ratio:
         return change
     return None
@@ -247,16 +249,17 @@ def host_shift(neighbours: list[tuple[np.ndarray, np.ndarray]], iteration: int) 
     return float(np.median(shifts)) if shifts else 0.0
 
 
-def onset_shift(series: np.ndarray, noise: float, *, min_before: int = 3,
-                min_after: int = 2) -> tuple[float, float, int] | None:
+def onset_shift(series: np.ndarray, noise: float, *, min_before: int = 3, min_after: int = 2,
+                min_level: float = -np.inf) -> tuple[float, float, int] | None:
     """(log shift, z, first index after) of the best split of a per-iteration ratio series into
-    an earlier part and a later part that is higher in every value: a fault that began mid-run
-    (or, online, in the last windows). None when the series is too short for both parts."""
+    an earlier part and a later part that is higher in every value and whose median is at least
+    `min_level`: a fault that began mid-run (or, online, in the last windows). None when the
+    series is too short for both parts or no split qualifies."""
     best = None
     for split in range(min_before, len(series) - min_after + 1):
         before, after = series[:split], series[split:]
         baseline = float(np.median(before))
-        if not np.all(after > baseline):
+        if not np.all(after > baseline) or float(np.median(after)) < min_level:
             continue
         shift = float(np.median(after)) - baseline
         z = shift / (1.2533 * noise * np.sqrt(1 / len(after) + 1 / len(before)))

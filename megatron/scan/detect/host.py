@@ -112,7 +112,11 @@ def _judge(rank: int, ratio: np.ndarray, share: float, iterations: np.ndarray, n
     flagged = bool(z > z_rank and np.exp(median) >= min_ratio and starved >= min_consistency * len(ratio))
     onset = None
     if not flagged:
-        change = significant_onset(ratio, noise, z_rank, min_ratio)
+        # Starved from an onset on means starved from then on: min_ratio times the other ranks'
+        # level, not a step of min_ratio from the rank's own earlier standing. A healthy rank of a
+        # real PP=2 x DP=2 run, less starved than the others for 8 iterations (0.7x), then 1.6x
+        # them for 3, stepped up 2.3x and was named on the step alone.
+        change = significant_onset(ratio, noise, z_rank, min_ratio, min_level=min_ratio)
         if change is not None:
             flagged, median, z, onset = True, change[0], change[1], int(iterations[change[2]])
             ratio = ratio[change[2]:]
