@@ -332,7 +332,7 @@ def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1),
         for scenario in scenarios:
             replayed = None
             with tempfile.TemporaryDirectory() as scratch:
-                directory = Path(keep) / f"online-{scenario.name.replace(' ', '_').replace(',', '')}-{round_}" \
+                directory = Path(keep) / f"online-{re.sub(r'[^A-Za-z0-9.+-]+', '_', scenario.name)}-{round_}" \
                     if keep else Path(scratch)
                 outcome = run_scenario(scenario, directory)
                 if keep and outcome.returncode == 0:
