@@ -81,6 +81,12 @@ def score(detection, expected_ranks, expected_links) -> dict:
             "top1": (named[:1] and named[0] in expected) if expected else not named}
 
 
+def kept_name(scenario_name: str) -> str:
+    """The directory name a run of `scenario_name` is kept under (--keep): spaces and other
+    separators as "_", arrows without ">" ("link 0->2" -> "link_0-2")."""
+    return re.sub(r"[^A-Za-z0-9.+-]+", "_", scenario_name.replace(">", ""))
+
+
 def run_synthetic(max_ranks: int):
     for name, (tp, pp, dp), slow, links in SYNTHETIC:
         if tp * pp * dp > max_ranks:
@@ -98,7 +104,7 @@ def run_real(keep: str | None = None):
 
     for name, nproc, layout, inject, ranks, links in REAL:
         with tempfile.TemporaryDirectory() as scratch:
-            directory = os.path.join(keep, name.replace(" ", "_").replace(">", "")) if keep else scratch
+            directory = os.path.join(keep, kept_name(name)) if keep else scratch
             if keep and any(Path(directory).glob("benchmark-*")):
                 # Traces kept by an earlier --keep run are re-scored, not re-run.
                 yield name, nproc, score(run_detection(directory, jobs=1), ranks, links), 0.0
@@ -184,7 +190,7 @@ def run_external(repeat: int, iterations: int, keep: str | None, only: str | Non
     for round_ in range(repeat):
         for scenario in scenarios:
             with tempfile.TemporaryDirectory() as scratch:
-                directory = Path(keep) / f"{scenario.name.replace(' ', '_').replace('>', '')}-{round_}" if keep \
+                directory = Path(keep) / f"{kept_name(scenario.name)}-{round_}" if keep \
                     else Path(scratch)
                 saved = directory / "run.json"
                 if keep and saved.exists():  # kept by an earlier --keep run: re-scored, not re-run
@@ -332,7 +338,7 @@ def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1),
         for scenario in scenarios:
             replayed = None
             with tempfile.TemporaryDirectory() as scratch:
-                directory = Path(keep) / f"online-{re.sub(r'[^A-Za-z0-9.+-]+', '_', scenario.name)}-{round_}" \
+                directory = Path(keep) / f"online-{kept_name(scenario.name)}-{round_}" \
                     if keep else Path(scratch)
                 outcome = run_scenario(scenario, directory)
                 if keep and outcome.returncode == 0:
@@ -396,10 +402,9 @@ def run_online(repeat: int, iterations: int, window: tuple[int, int] = (1, 1),
 
 def kept_runs(keep: str, scenario) -> list[Path]:
     """The kept --external runs of `scenario` under `keep` that trained to the end."""
-    slug = scenario.name.replace(" ", "_").replace(">", "")
     runs, round_ = [], 0
-    while (Path(keep) / f"{slug}-{round_}" / "run.json").exists():
-        directory = Path(keep) / f"{slug}-{round_}"
+    while (Path(keep) / f"{kept_name(scenario.name)}-{round_}" / "run.json").exists():
+        directory = Path(keep) / f"{kept_name(scenario.name)}-{round_}"
         if json.loads((directory / "run.json").read_text())["ok"]:
             runs.append(directory)
         round_ += 1

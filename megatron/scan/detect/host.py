@@ -61,7 +61,7 @@ def host_starvation(data: DetectionInput, *, z_rank: float = 3.5, min_stretch: f
         by_host.setdefault(data.roles[rank].host if rank in data.roles else "", []).append(rank)
     measures = starvation_levels(h)
     findings: dict[int, StarvationFinding] = {}
-    noises = []
+    noises = []  # per measure; the stage reports the first's
     for level, training_thread in measures:
         ratios = _against_host_peers(h, level, training_thread, by_host)
         if not ratios:
