@@ -161,8 +161,9 @@ def alive(processes: Iterable[RankProcess], proc: Path = PROC) -> bool:
 
 
 class CpuQuota:
-    """A child cgroup holding the target's threads under a CPU quota, created beside them in their
-    own cgroup (so its parent is where they go back to)."""
+    """A child cgroup holding the target's threads under a CPU quota, created in their own cgroup
+    (v1, and v2 where that cgroup can pass the cpu controller on; otherwise under the nearest
+    ancestor that can, see `_v2_parent`). `release` puts everything back where it was."""
 
     def __init__(self, fraction: float, processes: Sequence[RankProcess], *, root: Path = CGROUP_ROOT,
                  proc: Path = PROC) -> None:
@@ -175,6 +176,7 @@ class CpuQuota:
         self.version, self.hierarchy = self._hierarchy()
         self.group: Path | None = None
         self.moved = 0
+        self.origins: dict[int, Path] = {}  # v2: each moved process's own cgroup, to go back to
 
     def _hierarchy(self) -> tuple[int, Path]:
         v1 = self.root / "cpu"
@@ -197,10 +199,11 @@ class CpuQuota:
 
     def apply(self) -> None:
         first = self.processes[0].pid
-        parent = self._current(first)
+        own = self._current(first)
+        parent = own if self.version == 1 else self._v2_parent(own)
         self.group = parent / f"{GROUP_PREFIX}{first}"
-        self.group.mkdir(exist_ok=True)
         try:
+            self.group.mkdir(exist_ok=True)
             if self.version == 1:
                 period = int((self.group / "cpu.cfs_period_us").read_text())
                 (self.group / "cpu.cfs_quota_us").write_text(str(max(1000, int(self.fraction * period))))
@@ -208,19 +211,38 @@ class CpuQuota:
                     for tid in p.threads(self.proc):
                         self.moved += _move(self.group / "tasks", tid)
             else:
-                subtree = parent / "cgroup.subtree_control"
-                if "cpu" not in subtree.read_text().split():
-                    subtree.write_text("+cpu")
                 period = 100_000
                 (self.group / "cpu.max").write_text(f"{max(1000, int(self.fraction * period))} {period}")
                 for p in self.processes:  # v2 moves whole processes (all their threads)
+                    self.origins[p.pid] = self._current(p.pid)
                     self.moved += len(p.threads(self.proc)) if _move(self.group / "cgroup.procs", p.pid) else 0
+        except OSError as exc:
+            self.release()
+            raise FaultError(f"cgroup v{self.version}: could not set up the quota group {self.group}: {exc}") from exc
         except BaseException:
             self.release()
             raise
         if not self.moved:
             self.release()
             raise FaultError("the target exited before it could be throttled")
+
+    def _v2_parent(self, own: Path) -> Path:
+        """Where the v2 quota group can live: the target's own cgroup when the cpu controller is (or
+        can be) enabled for its children, else the nearest ancestor where it can. A cgroup that
+        holds processes cannot hand controllers to children (the no-internal-processes rule) and a
+        controller reaches a level only if every level above passes it on: a container's or a
+        service manager's cgroup often does neither (a job in `/process_api/<id>` on a VM whose
+        `/process_api` does not pass cpu down). The hierarchy's root always can when it lists cpu,
+        and moving the rank there for the fault's duration is undone by `release`, which puts every
+        process back where it was."""
+        candidates = [own, *[a for a in own.parents if a == self.hierarchy or self.hierarchy in a.parents]]
+        tried = []
+        for directory in candidates:
+            if _enable_cpu(directory):
+                return directory
+            tried.append(str(directory))
+        raise FaultError(f"cgroup v2: the cpu controller cannot be enabled for the children of {', '.join(tried)}; "
+                         f"enable it from the root down (echo +cpu > <dir>/cgroup.subtree_control at every level)")
 
     def sweep_new_threads(self) -> None:
         """Threads started after `apply` inherit the group; a thread created by a helper outside
@@ -254,8 +276,26 @@ class CpuQuota:
         """Every thread back into the parent cgroup, the group removed. Safe to call twice."""
         if self.group is None:
             return
+        for pid, origin in self.origins.items():
+            if origin != self.group.parent:  # the group was an ancestor's: back to its own cgroup
+                try:
+                    _move(origin / "cgroup.procs", pid)
+                except OSError:  # its cgroup is gone: release_group leaves it in the group's parent
+                    pass
         release_group(self.group, self.version)
         self.group = None
+
+
+def _enable_cpu(directory: Path) -> bool:
+    """Whether the cpu controller is enabled for `directory`'s children (enabling it if needed)."""
+    subtree = directory / "cgroup.subtree_control"
+    try:
+        if "cpu" in subtree.read_text().split():
+            return True
+        subtree.write_text("+cpu")
+        return True
+    except OSError:  # ENOENT: not passed down from above; EBUSY: it holds processes
+        return False
 
 
 def _move(target: Path, task_id: int) -> int:

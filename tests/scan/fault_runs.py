@@ -23,6 +23,10 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
 ITERATION = re.compile(r" iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
+class FaultNotApplied(RuntimeError):
+    """The fault tool stopped without applying its fault (its output says why)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Throttle:
     """`fault throttle --rank RANK --cpu-fraction FRACTION`, applied once the job has printed
@@ -117,8 +121,13 @@ def run(scenario: Scenario, trace_dir: Path, *, timeout: float = 600) -> RunResu
             fault = subprocess.Popen(pending.pop(0).command(port), cwd=ROOT, env=env(),
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             faults.append(fault)
-            # Its first line says the fault is in force.
-            first_lines.append(fault.stdout.readline())
+            # Its first line says the fault is in force; anything else means it never applied
+            # (counting such a run as a miss made a host whose cgroups refused every quota look
+            # like a detector that named nothing).
+            first = fault.stdout.readline()
+            if "[fault] throttled" not in first:
+                raise FaultNotApplied(f"the fault did not apply: {first}{fault.communicate()[0]}")
+            first_lines.append(first)
             fault_started.append(time.monotonic())
 
     # The job's lines are timestamped as they arrive by a thread of their own: while the fault CLI

@@ -175,3 +175,45 @@ def test_bad_targets_say_what_to_change(worker):
     if (CPU / "cpu.cfs_quota_us").exists():
         zero = run("throttle", "--rank", "3", "--job", f":{port}", "--cpu-fraction", "0")
         assert zero.returncode == 2 and "--cpu-fraction must be > 0" in zero.stderr
+
+
+def fake_v2_host(tmp_path: Path, *, root_passes_cpu: bool = True) -> tuple[Path, Path, fault.RankProcess]:
+    """A cgroup v2 tree as a VM's service manager leaves it: the job in /process_api/job, neither
+    level passing the cpu controller on (their subtree_control cannot be written: directories
+    here, so that writing fails as the kernel's ENOENT / EBUSY does), only the root does."""
+    root, proc = tmp_path / "cgroup", tmp_path / "proc"
+    job = root / "process_api" / "job"
+    job.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    if root_passes_cpu:
+        (root / "cgroup.subtree_control").write_text("cpuset cpu io memory pids\n")
+    else:
+        (root / "cgroup.subtree_control").mkdir()
+    for level in (root / "process_api", job):
+        (level / "cgroup.subtree_control").mkdir()
+    (proc / "4242" / "task" / "4242").mkdir(parents=True)
+    (proc / "4242" / "cgroup").write_text("0::/process_api/job\n")
+    return root, job, fault.RankProcess(pid=4242, rank=1, local_rank=1, job="-", command="python")
+
+
+def test_v2_quota_goes_where_the_cpu_controller_reaches_and_comes_back(tmp_path, monkeypatch):
+    """On an H100 VM (cgroup v2, job in /process_api/<id>) the throttle failed with a traceback
+    while enabling cpu in the job's own cgroup, and the benchmark went on as if it had applied."""
+    root, job, target = fake_v2_host(tmp_path)
+    released = []
+    monkeypatch.setattr(fault, "release_group", lambda group, version: released.append((group, version)))
+    quota = fault.CpuQuota(0.15, [target], root=root, proc=tmp_path / "proc")
+    quota.apply()
+    assert quota.version == 2 and quota.group == root / f"{fault.GROUP_PREFIX}4242"
+    assert (quota.group / "cpu.max").read_text() == "15000 100000"
+    assert (quota.group / "cgroup.procs").read_text() == "4242" and quota.moved == 1
+    quota.release()
+    assert (job / "cgroup.procs").read_text() == "4242"  # back in its own cgroup, not in the root
+    assert released == [(root / f"{fault.GROUP_PREFIX}4242", 2)]
+
+
+def test_v2_host_where_no_level_passes_cpu_on_says_what_to_change(tmp_path):
+    root, _, target = fake_v2_host(tmp_path, root_passes_cpu=False)
+    with pytest.raises(fault.FaultError, match=r"cpu controller cannot be enabled .*from the root down"):
+        fault.CpuQuota(0.15, [target], root=root, proc=tmp_path / "proc").apply()
+    assert not list(root.rglob(f"{fault.GROUP_PREFIX}*"))

@@ -24,6 +24,14 @@ from megatron.scan.detect.model import DetectionInput
 # peers' (7 runs of TP=2 x PP=2 and PP=4); healthy ranks reached at most 1.31x.
 MIN_STRETCH_RATIO = 1.6
 MIN_WAIT_RATIO = 2.0
+# Ratios of near-nothing: on a host with a core to spare for every thread (16 cores, 4 ranks) the
+# ranks wait for a CPU a few ms per iteration, and one rank waiting 2 ms beside peers' 0.3 ms is
+# 6x on the all-thread measure. Starved also means the rank's threads spent a material share of
+# their runnable time waiting (over the iterations judged): a quota-starved rank's all-thread share
+# was 0.94-0.96 on 2 cores, healthy ranks' there 0.7-0.87 (hence the ratio floors), and on an idle
+# host healthy shares are near 0. The stretch floor already implies a training-thread share of
+# 1 - 1 / 1.6 against unstarved peers; its share floor only guards the smoothing of tiny times.
+MIN_WAIT_SHARE = {True: 0.25, False: 0.5}  # training thread, all threads
 
 
 @dataclass(kw_only=True)
@@ -32,7 +40,7 @@ class StarvationFinding:
     iterations: int
     starved_iterations: int  # iterations in which it was more starved than the host's other ranks
     ratio: float  # median over iterations of its starvation level over the other ranks' median
-    wait_share: float  # run-queue wait / (wait + cpu time) over its traced iterations, of the measure's threads
+    wait_share: float  # run-queue wait / (wait + cpu time) over the iterations judged, of the measure's threads
     training_thread: bool = False  # judged on the training thread's stretch (else all threads' wait per CPU second)
     z: float
     flagged: bool
@@ -68,8 +76,8 @@ def host_starvation(data: DetectionInput, *, z_rank: float = 3.5, min_stretch: f
             return HostStage(findings={}, notes=["host counters: no two ranks on one host to compare"])
         noise = series_noise([r for r, *_ in ratios.values()], default=0.3, floor=0.05)
         noises.append(noise)
-        for rank, (ratio, share, iterations) in ratios.items():
-            finding = _judge(rank, ratio, share, iterations, noise, z_rank=z_rank,
+        for rank, (ratio, times, iterations) in ratios.items():
+            finding = _judge(rank, ratio, times, iterations, noise, z_rank=z_rank,
                              min_ratio=min_stretch if training_thread else min_wait,
                              min_consistency=min_consistency, training_thread=training_thread)
             if rank not in findings or (finding.flagged and not findings[rank].flagged):
@@ -78,9 +86,9 @@ def host_starvation(data: DetectionInput, *, z_rank: float = 3.5, min_stretch: f
 
 
 def _against_host_peers(h: dict[str, np.ndarray], level: np.ndarray, training_thread: bool,
-                        by_host: dict[str, list[int]]) -> dict[int, tuple[np.ndarray, float, np.ndarray]]:
+                        by_host: dict[str, list[int]]) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per rank with a peer on its host: its level less the median of the other ranks' at each
-    iteration (a log ratio), its measure's wait share, and the iterations compared."""
+    iteration (a log ratio), its measure's (wait, cpu) per iteration, and the iterations compared."""
     wait, cpu = (h["main_wait_ms"], h["main_cpu_ms"]) if training_thread else (h["cpu_wait_ms"], h["cpu_ms"])
     ratios = {}
     for ranks in by_host.values():
@@ -97,32 +105,40 @@ def _against_host_peers(h: dict[str, np.ndarray], level: np.ndarray, training_th
             if valid.sum() < 2:  # online detection looks at windows of two iterations
                 continue
             mine = h["rank"] == rank
-            share = float(wait[mine].sum() / max(wait[mine].sum() + cpu[mine].sum(), 1e-9))
-            ratios[rank] = (matrix[valid, j] - np.nanmedian(others[valid], axis=1), share, iterations[valid])
+            times = np.zeros((len(iterations), 2))
+            times[np.searchsorted(iterations, h["iteration"][mine])] = np.column_stack([wait[mine], cpu[mine]])
+            ratios[rank] = (matrix[valid, j] - np.nanmedian(others[valid], axis=1), times[valid], iterations[valid])
     return ratios
 
 
-def _judge(rank: int, ratio: np.ndarray, share: float, iterations: np.ndarray, noise: float, *, z_rank: float,
+def _judge(rank: int, ratio: np.ndarray, times: np.ndarray, iterations: np.ndarray, noise: float, *, z_rank: float,
            min_ratio: float, min_consistency: float, training_thread: bool) -> StarvationFinding:
     """Starved over the whole series (z, ratio, and more starved than the others in
-    min_consistency of the iterations), or else from an onset on (or, online, in the last windows)."""
+    min_consistency of the iterations), or else from an onset on (or, online, in the last windows);
+    either way waiting at least MIN_WAIT_SHARE of its runnable time in the iterations judged."""
+    def share(since: int = 0) -> float:
+        wait, cpu = times[since:].sum(axis=0)
+        return float(wait / max(wait + cpu, 1e-9))
+
+    min_share = MIN_WAIT_SHARE[training_thread]
     median = float(np.median(ratio))
     z = median / (1.2533 * noise / np.sqrt(len(ratio)))
     starved = int(np.sum(ratio > 0))
-    flagged = bool(z > z_rank and np.exp(median) >= min_ratio and starved >= min_consistency * len(ratio))
-    onset = None
+    flagged = bool(z > z_rank and np.exp(median) >= min_ratio and starved >= min_consistency * len(ratio)
+                   and share() >= min_share)
+    onset, since = None, 0
     if not flagged:
         # Starved from an onset on means starved from then on: min_ratio times the other ranks'
         # level, not a step of min_ratio from the rank's own earlier standing. A healthy rank of a
         # real PP=2 x DP=2 run, less starved than the others for 8 iterations (0.7x), then 1.6x
         # them for 3, stepped up 2.3x and was named on the step alone.
         change = significant_onset(ratio, noise, z_rank, min_ratio, min_level=min_ratio)
-        if change is not None:
-            flagged, median, z, onset = True, change[0], change[1], int(iterations[change[2]])
-            ratio = ratio[change[2]:]
+        if change is not None and share(change[2]) >= min_share:
+            flagged, median, z, onset, since = True, change[0], change[1], int(iterations[change[2]]), change[2]
+            ratio = ratio[since:]
             starved = len(ratio)
     return StarvationFinding(rank=rank, iterations=len(ratio), starved_iterations=starved, ratio=float(np.exp(median)),
-                             wait_share=share, z=float(z), flagged=flagged, onset_iteration=onset,
+                             wait_share=share(since), z=float(z), flagged=flagged, onset_iteration=onset,
                              training_thread=training_thread)
 
 
