@@ -114,11 +114,16 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
     lonely = [r for r in data.world if r not in findings]
     if lonely and len(data.layers["rank"]):
         findings.update(_layer_peers(data, lonely, z_rank, min_slowdown, min_consistency))
+    totals_of = {int(rank): _iteration_totals(t["iteration"][t["rank"] == rank], t["busy"][t["rank"] == rank])
+                 for rank in np.unique(t["rank"])}
     for rank in data.world:
         if rank in findings:
             continue
         mine = t["rank"] == rank
-        history = _history(rank, t["iteration"][mine], t["busy"][mine], z_rank, min_slowdown)
+        host = data.roles[rank].host if rank in data.roles else ""
+        neighbours = [totals for other, totals in totals_of.items() if other != rank
+                      and (data.roles[other].host if other in data.roles else "") == host]
+        history = _history(rank, t["iteration"][mine], t["busy"][mine], z_rank, min_slowdown, neighbours)
         if history is None:
             cannot.append(rank)
         else:
@@ -268,15 +273,24 @@ def onset_shift(series: np.ndarray, noise: float, *, min_before: int = 3, min_af
     return best
 
 
-def _history(rank: int, iteration: np.ndarray, busy: np.ndarray, z_rank: float,
-             min_slowdown: float) -> ComputeFinding | None:
+def _iteration_totals(iteration: np.ndarray, busy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(iterations, log total busy per iteration) of one rank."""
+    iterations = np.unique(iteration)
+    return iterations, np.log(np.array([max(float(busy[iteration == i].sum()), 1.0) for i in iterations]))
+
+
+def _history(rank: int, iteration: np.ndarray, busy: np.ndarray, z_rank: float, min_slowdown: float,
+             neighbours: list[tuple[np.ndarray, np.ndarray]] = ()) -> ComputeFinding | None:
     """A rank without peers against itself: the best split of its per-iteration busy totals into
     before/after, flagged when the later part is significantly and materially slower (an onset).
-    Noise is the robust spread of successive differences, which one step cannot inflate."""
-    iterations = np.unique(iteration)
+    Noise is the robust spread of successive differences, which one step cannot inflate. Being
+    the best of many splits, it must clear ONSET_PENALTY more standard errors, as peer onsets do.
+    What the host's other ranks slowed at the same split (`neighbours`: their iteration totals,
+    see host_shift) is the host's, not the rank's, and is taken off: both stages of a healthy
+    PP=2 run on 2 cores stepped up 1.2x together, and online detection named one of them."""
+    iterations, per_iteration = _iteration_totals(iteration, busy)
     if len(iterations) < 4:
         return None
-    per_iteration = np.log(np.array([max(float(busy[iteration == i].sum()), 1.0) for i in iterations]))
     noise = max(_MAD * float(np.median(np.abs(np.diff(per_iteration)))) / np.sqrt(2.0), 0.02)
     best: tuple[float, int] | None = None
     for split in range(1, len(iterations)):
@@ -286,13 +300,12 @@ def _history(rank: int, iteration: np.ndarray, busy: np.ndarray, z_rank: float,
             # (4 iterations early on an H100 time-shared mid-run).
             continue
         before, after = per_iteration[:split], per_iteration[split:]
-        shift = float(np.median(after) - np.median(before))
+        shift = float(np.median(after) - np.median(before)) - max(host_shift(neighbours, int(iterations[split])), 0.0)
         z = shift / (1.2533 * noise * np.sqrt(1 / len(before) + 1 / len(after)))
         if best is None or z > best[0]:
-            best = (z, split)
-    z, split = best
-    shift = float(np.median(per_iteration[split:]) - np.median(per_iteration[:split]))
-    flagged = bool(z > z_rank and np.exp(shift) >= min_slowdown and len(iterations) - split >= 2)
+            best = (z, split, shift)
+    z, split, shift = best
+    flagged = bool(z > z_rank + ONSET_PENALTY and np.exp(shift) >= min_slowdown and len(iterations) - split >= 2)
     return ComputeFinding(rank=rank, method="history", peers=[], instances=int(np.isin(iteration, iterations[split:]).sum()),
                           slow_instances=0, iterations=len(iterations) - split,
                           slower_iterations=int(np.sum(per_iteration[split:] > np.median(per_iteration[:split]))),
