@@ -214,7 +214,10 @@ class CpuQuota:
                 period = 100_000
                 (self.group / "cpu.max").write_text(f"{max(1000, int(self.fraction * period))} {period}")
                 for p in self.processes:  # v2 moves whole processes (all their threads)
-                    self.origins[p.pid] = self._current(p.pid)
+                    try:
+                        self.origins[p.pid] = self._current(p.pid)
+                    except OSError:  # exited meanwhile
+                        continue
                     self.moved += len(p.threads(self.proc)) if _move(self.group / "cgroup.procs", p.pid) else 0
         except OSError as exc:
             self.release()
@@ -273,7 +276,8 @@ class CpuQuota:
                 f"{seconds:.1f} s in all (summed over CPUs)")
 
     def release(self) -> None:
-        """Every thread back into the parent cgroup, the group removed. Safe to call twice."""
+        """Every thread back where it was (its own cgroup, which is the group's parent unless v2
+        put the group higher up), the group removed. Safe to call twice."""
         if self.group is None:
             return
         for pid, origin in self.origins.items():

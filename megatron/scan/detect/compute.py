@@ -101,7 +101,8 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
             own = totals[:, j] if len(iterations) else np.zeros(0)
             compared[int(rank)] = (per_iteration, iterations, instance_ratio, peers, keys[valid], own)
     iteration_noise = series_noise([r for r, *_ in compared.values()], default=0.1)
-    host_of = {rank: data.roles[rank].host if rank in data.roles else "" for rank in compared}
+    host_of = {int(rank): data.roles[int(rank)].host if int(rank) in data.roles else ""
+               for rank in np.unique(t["rank"])}
     for rank, (per_iteration, iterations, instance_ratio, peers, keys, own) in compared.items():
         if not len(per_iteration):
             continue
@@ -114,15 +115,14 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
     lonely = [r for r in data.world if r not in findings]
     if lonely and len(data.layers["rank"]):
         findings.update(_layer_peers(data, lonely, z_rank, min_slowdown, min_consistency))
+    alone = [r for r in data.world if r not in findings]
+    # Every rank's iteration totals, for what the host did at a lone rank's onset (only when one is left).
     totals_of = {int(rank): _iteration_totals(t["iteration"][t["rank"] == rank], t["busy"][t["rank"] == rank])
-                 for rank in np.unique(t["rank"])}
-    for rank in data.world:
-        if rank in findings:
-            continue
+                 for rank in np.unique(t["rank"])} if alone else {}
+    for rank in alone:
         mine = t["rank"] == rank
-        host = data.roles[rank].host if rank in data.roles else ""
-        neighbours = [totals for other, totals in totals_of.items() if other != rank
-                      and (data.roles[other].host if other in data.roles else "") == host]
+        neighbours = [totals for other, totals in totals_of.items()
+                      if other != rank and host_of[other] == host_of.get(rank, "")]
         history = _history(rank, t["iteration"][mine], t["busy"][mine], z_rank, min_slowdown, neighbours)
         if history is None:
             cannot.append(rank)
@@ -300,7 +300,8 @@ def _history(rank: int, iteration: np.ndarray, busy: np.ndarray, z_rank: float, 
             # (4 iterations early on an H100 time-shared mid-run).
             continue
         before, after = per_iteration[:split], per_iteration[split:]
-        shift = float(np.median(after) - np.median(before)) - max(host_shift(neighbours, int(iterations[split])), 0.0)
+        host = max(host_shift(neighbours, int(iterations[split])), 0.0)
+        shift = float(np.median(after) - np.median(before)) - host
         z = shift / (1.2533 * noise * np.sqrt(1 / len(before) + 1 / len(after)))
         if best is None or z > best[0]:
             best = (z, split, shift)
