@@ -411,27 +411,29 @@ def kept_runs(keep: str, scenario) -> list[Path]:
     return runs
 
 
-def replay_windows(directory: Path):
+def replay_windows(directory: Path, confirm_analyses: int = 2):
     """Yield, for k = MIN_ITERATIONS.. the number of windows every rank wrote, (k, online alerts)
     of `online.analyze` on a copy of `directory` whose trace files hold their first k windows:
     what --online-detect saw after each window of that run (the same code on the same bytes; only
-    the analysis process's own CPU use, which runs at idle priority, is missing)."""
-    from megatron.scan.detect.online import MIN_ITERATIONS, WindowCounter, analyze
+    the analysis process's own CPU use, which runs at idle priority, is missing). Alerts are those
+    Confirmation(confirm_analyses) reports, as --online-detect-confirm does live."""
+    from megatron.scan.detect.online import MIN_ITERATIONS, Confirmation, WindowCounter, analyze
 
     lines = {path.name: path.read_bytes().splitlines(keepends=True)
              for path in directory.glob("benchmark-data-*.json")}
     ends = {name: [i + 1 for i, line in enumerate(rows) if line.startswith(WindowCounter.MARK)]
             for name, rows in lines.items()}
     fitted: dict = {}
+    confirm = Confirmation(confirm_analyses)
     with tempfile.TemporaryDirectory() as scratch:
         for k in range(MIN_ITERATIONS, min(len(e) for e in ends.values()) + 1):
             for name, rows in lines.items():
                 (Path(scratch) / name).write_bytes(b"".join(rows[:ends[name][k - 1]]))
             result = analyze(scratch, k - 1, k - 1, fitted)
-            yield k, (result or {}).get("alerts", [])
+            yield k, confirm((result or {}).get("alerts", []))[0]
 
 
-def replay_online(keep: str, iterations: int, only: str | None, max_ranks: int) -> int:
+def replay_online(keep: str, iterations: int, only: str | None, max_ranks: int, confirm: int = 2) -> int:
     """--replay-online: every kept --external run replayed window by window through the online
     analysis (one-iteration windows, as those runs were traced). Per scenario: runs in which any
     analysis named a rank or link it should not have (in a healthy run, any alert; the online
@@ -451,7 +453,7 @@ def replay_online(keep: str, iterations: int, only: str | None, max_ranks: int) 
         wrong_runs, analyses, wrong_analyses, firsts, examples = 0, 0, 0, [], []
         for directory in runs:
             first, wrong = None, []
-            for k, alerts in replay_windows(directory):
+            for k, alerts in replay_windows(directory, confirm):
                 analyses += 1
                 named = {a["ranks"][0] if a["kind"] == "rank" else tuple(a["ranks"]) for a in alerts}
                 if named - expected:
@@ -530,6 +532,9 @@ def main() -> int:
     parser.add_argument("--replay-online", action="store_true",
                         help="replay the --external runs kept under --keep window by window through the online "
                              "analysis: wrong online alerts over every window, windows to name a fault (minutes)")
+    parser.add_argument("--confirm", type=int, default=2, metavar="N",
+                        help="--replay-online: report a suspect one analyzer names once N analyses in a row name it, "
+                             "as --online-detect-confirm N does live (default 2; 1 reports every finding at once)")
     parser.add_argument("--jitter-sweep", action="store_true", help="synthetic detection-limit curve over jitter 10-40%%")
     parser.add_argument("--max-ranks", type=int, default=1024, help="skip scenarios with more ranks than this")
     parser.add_argument("--keep", default=None, metavar="DIR",
@@ -538,6 +543,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
+    if args.confirm < 1:
+        parser.error("--confirm must be >= 1 (1 reports every finding at once)")
     if args.online:
         try:
             interval, continuous = (int(x) for x in args.online_window.split(":"))
@@ -558,7 +565,7 @@ def main() -> int:
     if args.replay_online:
         if not args.keep:
             parser.error("--replay-online replays kept runs: pass --keep DIR (a directory an --external --keep run wrote)")
-        return replay_online(args.keep, args.iterations, args.only, args.max_ranks)
+        return replay_online(args.keep, args.iterations, args.only, args.max_ranks, args.confirm)
     if args.external:
         code = run_external(args.repeat, args.iterations, args.keep, args.only, args.max_ranks)
         if args.jitter_sweep:

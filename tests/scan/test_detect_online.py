@@ -17,7 +17,7 @@ import pytest
 
 from fault_runs import Scenario, Throttle, run
 from launch import torchrun
-from megatron.scan.detect.online import OnlineDetector, WindowCounter
+from megatron.scan.detect.online import Confirmation, OnlineDetector, WindowCounter
 
 ONSET = 3
 
@@ -117,3 +117,31 @@ def test_analysis_process_takes_only_idle_cpu_and_never_outlives_rank_0(tmp_path
     while not _ended(orphan) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _ended(orphan), f"analysis process {orphan} outlived the killed rank 0"
+
+
+def test_a_finding_of_one_analyzer_is_reported_once_consecutive_analyses_agree():
+    """A burst of host load at the end of the trace reads as an onset until the next windows show
+    it over: a suspect only one analyzer names is reported when the next analysis names it too,
+    one two analyzers name at once, and a suspect that drops out starts over."""
+    def alert(rank: int, *named_by: str) -> dict:
+        return {"kind": "rank", "ranks": [rank], "named_by": list(named_by)}
+
+    confirm = Confirmation(2)
+    reported, pending = confirm([alert(0, "host"), alert(1, "compute", "arrival")])
+    assert [a["ranks"] for a in reported] == [[1]] and [a["ranks"] for a in pending] == [[0]]
+    reported, _ = confirm([alert(0, "host")])
+    assert [a["ranks"] for a in reported] == [[0]] and reported[0]["analyses"] == 2
+    confirm([])  # an analysis without it
+    reported, pending = confirm([alert(0, "host"), {"kind": "link", "ranks": [0, 2], "named_by": ["pipeline"]}])
+    assert reported == [] and len(pending) == 2
+    assert [a["ranks"] for a in Confirmation(1)([alert(3, "host")])[0]] == [[3]]
+
+
+def test_online_detect_confirm_below_one_is_refused_with_what_to_pass(tmp_path):
+    proc = torchrun("pretrain_gpt.py", [
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "1", "--global-batch-size", "1", "--mock-data", "--vocab-size", "64",
+        "--device", "cpu", "--train-iters", "2", "--trace", "--trace-dir", str(tmp_path),
+        "--online-detect", "--online-detect-confirm", "0"], nproc=1, timeout=120)
+    assert proc.returncode != 0
+    assert "--online-detect-confirm 0" in proc.stderr and "1 reports at once" in proc.stderr, proc.stderr[-2000:]

@@ -20,9 +20,12 @@ class Suspect:
     ranks: list[int]
     confidence: float
     slowdown: float
-    evidence: list[str]
+    evidence: list[str]  # the first line is what named it
     details: dict[str, Any] = field(default_factory=dict)
     what_if: dict[str, float] | None = None
+    # The analyzers whose own test named it ("compute", "host", "arrival", "pipeline"): a suspect
+    # two independent analyzers agree on is better founded than one only a single test found.
+    named_by: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -86,7 +89,9 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
             since = f" from iteration {starved.onset_iteration} on" if starved.onset_iteration is not None else ""
             measure = ("its training thread's wait for a CPU per CPU second (as a stretch of its compute)"
                        if starved.training_thread else "all its threads' run-queue wait per CPU second")
-            evidence.append(f"starved of CPU{since}: {starved.ratio:.1f}x {measure} of the other "
+            # Named by starvation alone: that line first (the compute comparison only describes).
+            evidence.insert(0 if host_named and not compute_named else len(evidence),
+                            f"starved of CPU{since}: {starved.ratio:.1f}x {measure} of the other "
                             f"ranks on its host in {starved.starved_iterations} of {starved.iterations} iterations "
                             f"({100 * starved.wait_share:.0f}% of its runnable time spent waiting for a CPU)")
         corroborated = 0.0
@@ -102,8 +107,11 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
         host_strength = 1.0 - np.exp(-max(starved.z, 0.0) / 6.0) if host_named else 0.0
         confidence = 1.0 - (1.0 - 0.75 * compute_strength) * (1.0 - 0.6 * host_strength) * (1.0 - 0.25 * corroborated)
         slowdown = finding.slowdown if finding is not None and (compute_named or finding.method != "history") else float("nan")
+        named_by = [name for name, named in (("compute", compute_named), ("host", host_named),
+                                             ("arrival", arrival_finding is not None and arrival_finding.flagged))
+                    if named]
         suspects.append(Suspect(kind="rank", ranks=[rank], confidence=round(float(confidence), 3),
-                                slowdown=round(slowdown, 3), evidence=evidence,
+                                slowdown=round(slowdown, 3), evidence=evidence, named_by=named_by,
                                 details={"compute": _plain(finding), "arrival": _plain(arrival_finding),
                                          "host": _plain(starved)}))
     # A rank no analyzer could compare, arriving last far more than chance while not waiting on
@@ -117,6 +125,7 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
         suspects.append(Suspect(kind="rank", ranks=[rank], confidence=0.35, slowdown=float("nan"),
                                 evidence=[f"arrived last at {arrival_finding.last} of {arrival_finding.instances} "
                                           f"collectives (chance {arrival_finding.expected_last:.1f}); compute not comparable"],
+                                named_by=["arrival"],
                                 details={"arrival": _plain(arrival_finding)}))
     for (src, dst), link in stage3.links.items():
         if not link.flagged:
@@ -127,6 +136,7 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
                                 evidence=[f"messages {src}->{dst} delivered in {link.delivery_ms:.2f} ms (median of "
                                           f"{link.messages}) vs {link.baseline_ms:.2f} ms on other links "
                                           f"({link.bandwidth_gbps:.3f} GB/s effective), {link.z:.1f} standard errors"],
+                                named_by=["pipeline"],
                                 details={"link": _plain(link)}))
     suspects = _drop_tensor_parallel_victims(data, stage2, suspects, notes)
     suspects = _drop_pipeline_victims(data, stage2, stage3, stage4, suspects, notes)

@@ -2,7 +2,8 @@
 on everything traced so far (a recent onset is tested against each rank's earlier standing), in
 a process of its own at low priority (off the training critical path and off rank 0's
 interpreter lock), logs each suspect with its evidence as a warning and writes
-DIR/online_abnormal.json."""
+DIR/online_abnormal.json. A suspect only one analyzer names is reported once consecutive analyses
+agree on it (Confirmation)."""
 from __future__ import annotations
 
 import argparse
@@ -95,11 +96,44 @@ def analyze(trace_dir: str, first_iteration: int, last_iteration: int,
     result["iterations"] = [min(first_iteration, newest), newest]
     result["alerts"] = [
         {"iteration": newest, "kind": suspect.kind, "ranks": suspect.ranks, "confidence": suspect.confidence,
-         "evidence": suspect.evidence, "slowdown": suspect.slowdown,
+         "evidence": suspect.evidence, "slowdown": suspect.slowdown, "named_by": suspect.named_by,
          "label": (data.label(suspect.ranks[0]) if suspect.kind == "rank"
                    else f"link {suspect.ranks[0]} -> {suspect.ranks[1]}")}
         for suspect in detection.suspects]
     return result
+
+
+# Analyses in a row that must name a suspect only one analyzer found before it is reported. Each
+# analysis sees a few more iterations than the last, so a burst of host contention at the end of
+# the trace reads as an onset until the next windows show it over. Replayed over 84 kept runs of
+# 4-8 ranks on 2 cores (docs/megascan-detection.md), reporting at once gave a wrong alert in 4 runs,
+# two analyses in a row in 1, and the faulty ranks were named one window later.
+CONFIRM_ANALYSES = 2
+
+
+class Confirmation:
+    """Which of an analysis's suspects to report: those two analyzers name together (say a
+    rank whose compute is slower than its peers' and which also arrives last at collectives),
+    and those named by `analyses` consecutive analyses (kept across calls). Called once per
+    analysis with its alerts (each with `kind`, `ranks`, `named_by`); returns (reported, pending)."""
+
+    def __init__(self, analyses: int = CONFIRM_ANALYSES) -> None:
+        if analyses < 1:
+            raise ValueError(f"a suspect needs at least 1 analysis to be reported, not {analyses}")
+        self.analyses = analyses
+        self.streak: dict[tuple[str, tuple[int, ...]], int] = {}
+
+    def __call__(self, alerts: list[dict]) -> tuple[list[dict], list[dict]]:
+        def key(alert: dict) -> tuple[str, tuple[int, ...]]:
+            return alert["kind"], tuple(alert["ranks"])
+
+        self.streak = {key(a): self.streak.get(key(a), 0) + 1 for a in alerts}
+        reported, pending = [], []
+        for alert in alerts:
+            alert["analyses"] = self.streak[key(alert)]
+            ok = len(alert.get("named_by", ())) >= 2 or alert["analyses"] >= self.analyses
+            (reported if ok else pending).append(alert)
+        return reported, pending
 
 
 def serve() -> None:
@@ -108,6 +142,7 @@ def serve() -> None:
     stdout; anything printed goes to stderr. It ends when stdin closes: when rank 0 closes it,
     or when rank 0 dies (the pipe closes with it, so nothing is left behind)."""
     trace_dir, world_size, wait_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    confirm = Confirmation(int(sys.argv[4]) if len(sys.argv) > 4 else CONFIRM_ANALYSES)
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     windows = WindowCounter(trace_dir)
@@ -119,6 +154,8 @@ def serve() -> None:
             # training it slowed (the throttled rank's windows come late, and rank 0 polled).
             windows.wait_for(world_size, windows_done, wait_s)
             result = analyze(trace_dir, first_iteration, last_iteration, fitted)
+            if result is not None:
+                result["alerts"], result["unconfirmed"] = confirm(result["alerts"])
         except Exception as exc:  # noqa: BLE001 - a failed analysis must never stop training
             result = {"error": repr(exc)}
         answers.write(json.dumps(result) + "\n")
@@ -150,7 +187,7 @@ class OnlineDetector:
     measured on 4 ranks over 2 cores), at idle CPU priority from its first line (_BOOT)."""
 
     def __init__(self, trace_dir: str | os.PathLike, world_size: int, *, windows_kept: int = 2,
-                 wait_s: float = 30.0) -> None:
+                 wait_s: float = 30.0, confirm: int = CONFIRM_ANALYSES) -> None:
         self.trace_dir = Path(trace_dir)
         self.world_size = world_size
         self.windows_kept = windows_kept
@@ -161,7 +198,7 @@ class OnlineDetector:
         root = str(Path(__file__).resolve().parents[3])  # where this package is imported from
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         self.worker = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, str(self.trace_dir), str(world_size), str(wait_s)],
+            [sys.executable, "-c", _BOOT, str(self.trace_dir), str(world_size), str(wait_s), str(confirm)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
         self.thread = threading.Thread(target=self._loop, name="megascan-online-detect", daemon=True)
         self.thread.start()
@@ -215,8 +252,10 @@ class OnlineDetector:
             label, slowdown = alert.pop("label"), alert.pop("slowdown")
             self.alerts.append(alert)
             first, newest = result["iterations"]
+            why = (" and ".join(alert["named_by"]) if len(alert["named_by"]) >= 2
+                   else f"{'/'.join(alert['named_by']) or 'found'} in {alert['analyses']} analyses in a row")
             print(f"[megascan] WARNING online detection (iterations {first}-{newest}): {label} is "
-                  f"slow, {slowdown:.2f}x, confidence {alert['confidence']:.2f}: {alert['evidence'][0]}",
+                  f"slow, {slowdown:.2f}x, confidence {alert['confidence']:.2f} ({why}): {alert['evidence'][0]}",
                   file=sys.stderr, flush=True)
         result["alerts_so_far"] = self.alerts
         path = self.trace_dir / "online_abnormal.json"
@@ -235,6 +274,11 @@ class OnlineDetectPlugin(Plugin):
                        help="with --trace: after every traced window, rank 0 runs slow-rank detection on what is traced so "
                             "far (recent onsets against each rank's earlier iterations) "
                             "in a background thread, warns about suspects, writes DIR/online_abnormal.json")
+        g.add_argument("--online-detect-confirm", type=int, default=CONFIRM_ANALYSES, metavar="N",
+                       help="with --online-detect: a suspect only one analyzer names (compute, CPU starvation, "
+                            "collective arrival, pipeline link) is reported once N analyses in a row name it; two "
+                            "analyzers agreeing report it at once. 1 reports every finding at once (more wrong "
+                            f"alerts from bursts of host load). Default {CONFIRM_ANALYSES}")
 
     def enabled(self, args: argparse.Namespace) -> bool:
         return bool(getattr(args, "online_detect", False))
@@ -243,6 +287,10 @@ class OnlineDetectPlugin(Plugin):
         args = cfg.args
         if not getattr(args, "trace", False):
             raise ConfigError("--online-detect reads the traced windows: add --trace (and --trace-dir)")
+        if args.online_detect_confirm < 1:
+            raise ConfigError(f"--online-detect-confirm {args.online_detect_confirm}: a suspect needs at least 1 "
+                              f"analysis to be reported (1 reports at once)")
+        self.confirm = args.online_detect_confirm
         self.interval = args.trace_interval
         self.continuous = args.continuous_trace_iterations
         self.trace_dir = args.trace_dir
@@ -252,7 +300,8 @@ class OnlineDetectPlugin(Plugin):
     def setup(self, ctx) -> None:
         # Rank 0 reads every rank's files (one node, or a shared file system).
         if ctx.rank == 0:
-            self.detector = OnlineDetector(self.trace_dir, ctx.cfg.parallel.world_size)
+            self.detector = OnlineDetector(self.trace_dir, ctx.cfg.parallel.world_size,
+                                           confirm=self.confirm)
 
     def after_iteration(self, ctx, iteration: int, metrics) -> None:
         if self.detector is None:
@@ -261,6 +310,11 @@ class OnlineDetectPlugin(Plugin):
         if done % self.interval != self.continuous - 1:
             return
         self.windows.append((done - self.continuous + 1, done))
+        if len(self.windows) * self.continuous < MIN_ITERATIONS:
+            # No verdict before then: loading the traces for nothing took CPU from rank 0 (on
+            # 4 ranks over 2 cores its threads waited for a CPU several times as long as the
+            # others' in the first iterations).
+            return
         kept = self.windows[-self.detector.windows_kept:]
         self.detector.submit(len(self.windows), kept[0][0], done)
 

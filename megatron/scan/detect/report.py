@@ -19,7 +19,7 @@ def as_dict(detection: Detection) -> dict[str, Any]:
     for s in detection.suspects:
         entry = {"kind": s.kind, "ranks": s.ranks, "coordinates": [data.roles[r].coordinates for r in s.ranks],
                  "confidence": s.confidence, "slowdown": _plain(s.slowdown), "evidence": s.evidence,
-                 "what_if": _plain(s.what_if), "details": s.details}
+                 "named_by": s.named_by, "what_if": _plain(s.what_if), "details": s.details}
         suspects.append(entry)
     return {
         "format": FORMAT, "version": VERSION, "verdict": detection.verdict,
