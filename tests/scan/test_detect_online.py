@@ -47,13 +47,15 @@ CPU = Path("/sys/fs/cgroup/cpu")
 @pytest.mark.skipif(not (CPU / "cpu.cfs_quota_us").exists() or not os.access(CPU, os.W_OK),
                     reason="external throttle needs a writable cgroup v1 cpu hierarchy (root; /sys/fs/cgroup/cpu)")
 def test_external_throttle_mid_run_is_reported_during_the_run(tmp_path):
-    scenario = Scenario(name="online", nproc=4, layout=["--pipeline-model-parallel-size", "2"], expected=[1],
-                        throttles=[Throttle(rank=1, fraction=0.15, onset=3)], iterations=18,
+    # PP=2 on 2 ranks (no same-stage peer): on 4 ranks over CI's 2 cores, rank 0 was starved
+    # during start-up in about 1 run of 5 and named online (see docs/megascan-detection.md).
+    scenario = Scenario(name="online", nproc=2, layout=["--pipeline-model-parallel-size", "2"], expected=[1],
+                        throttles=[Throttle(rank=1, fraction=0.15, onset=3)], iterations=14,
                         extra=["--online-detect"])
     result = run(scenario, tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     applied = result.onset_iteration()  # the fault CLI takes about a second to start
-    assert applied is not None and applied <= 15, result.stdout[-3000:]
+    assert applied is not None and applied <= 11, result.stdout[-3000:]
     alerts = [(int(last), int(rank)) for _, last, rank in ALERT.findall(result.stdout)]
     named = [last for last, rank in alerts if rank == 1 and last >= applied]
     assert named, (applied, alerts, result.stdout[-3000:])

@@ -344,3 +344,24 @@ def test_a_host_wide_step_is_no_onset_of_a_rank_without_peers():
     alone = peer_comparison(data(world=2, dp=1, pp=2, compute=rows({1: 1.5})))
     assert alone.findings[1].flagged and alone.findings[1].onset_iteration == 10
     assert not alone.findings[0].flagged
+
+
+def test_online_a_rank_starved_only_before_the_newest_iterations_is_not_reported():
+    """Real counters of a PP=2 run on 2 ranks over 2 cores (iterations 0-6): rank 0's threads
+    waited 3-14x as long as rank 1's per CPU second while a process started beside it, then rank
+    1 was throttled from outside (iteration 5). Over those iterations the whole-series test calls
+    rank 0 starved; online detection (`recent`) asks whether it still is, and it is not. A rank
+    starved to the end is still named."""
+    rows = [  # rank, iteration, cpu_ms, cpu_wait_ms, main_cpu_ms, main_wait_ms
+        (0, 0, 58.4, 135.9, 54.2, 6.8), (0, 1, 48.2, 54.1, 45.4, 3.3), (0, 2, 49.3, 140.9, 45.6, 12.3),
+        (0, 3, 48.9, 373.8, 44.7, 19.6), (0, 4, 50.1, 166.6, 44.7, 50.6), (0, 5, 60.5, 48.8, 51.9, 2.8),
+        (0, 6, 74.5, 72.8, 58.4, 6.5),
+        (1, 0, 64.5, 46.1, 60.7, 9.4), (1, 1, 56.9, 11.8, 52.3, 3.2), (1, 2, 55.0, 8.3, 51.1, 1.2),
+        (1, 3, 53.7, 27.1, 49.7, 1.2), (1, 4, 57.4, 40.0, 52.3, 9.5), (1, 5, 64.5, 3539.5, 59.5, 261.4),
+        (1, 6, 71.9, 7339.9, 66.6, 419.4)]
+    host = table(rows, ("rank", "iteration", "cpu_ms", "cpu_wait_ms", "main_cpu_ms", "main_wait_ms"))
+    pp2 = data(world=2, dp=1, pp=2, host=host)
+    assert host_starvation(pp2).findings[0].flagged  # what the first online analysis reported
+    assert not host_starvation(pp2, recent=3).findings[0].flagged
+    assert [r for r, f in host_starvation(data(host=host_rows({2: 6.0})), recent=3).findings.items()
+            if f.flagged] == [2]

@@ -7,6 +7,7 @@ agree on it (Confirmation)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import queue
@@ -25,6 +26,9 @@ from megatron.app.plugins import Plugin, register_plugin
 # Traced iterations before the first online verdict: with fewer, one rank's persistent share of a
 # busy host in the first iterations was named (measured on 4 ranks over 2 cores).
 MIN_ITERATIONS = 6
+# Iterations at the end of the trace over which a rank starved of CPU must still be starved to be
+# reported online (host_starvation's `recent`): a burst of host load that is over is history.
+RECENT_ITERATIONS = 3
 
 
 class WindowCounter:
@@ -76,6 +80,7 @@ def analyze(trace_dir: str, first_iteration: int, last_iteration: int,
     from megatron.scan.aggregate import aggregate
     from megatron.scan.align import fitted_windows
     from megatron.scan.detect.combine import detect
+    from megatron.scan.detect.host import host_starvation
     from megatron.scan.detect.model import from_aggregation
     from megatron.scan.detect.report import as_dict
 
@@ -88,7 +93,7 @@ def analyze(trace_dir: str, first_iteration: int, last_iteration: int,
         return None  # the first iterations (warm-up) alone are no baseline
     # Everything traced so far: a fault that began in the recent windows shows as an onset
     # against each rank's own earlier standing, not only once it dominates the history.
-    detection = detect(data)
+    detection = detect(data, host=functools.partial(host_starvation, recent=RECENT_ITERATIONS))
     result = as_dict(detection)
     # The files may already hold windows newer than the one that asked (an analysis that lagged):
     # name the newest iteration actually seen.
