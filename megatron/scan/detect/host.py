@@ -60,8 +60,8 @@ def host_starvation(data: DetectionInput, *, z_rank: float = 3.5, min_stretch: f
     """Each measure of starvation_levels judged on its own (min_stretch for the training thread's
     stretch, min_wait for all threads' wait per CPU second: how many times the other ranks' level
     a rank's must be); a rank is starved when either measure says so. With `recent` (online
-    detection), it must also still be: more starved than the host's other ranks in most of the
-    last `recent` iterations."""
+    detection), it must also still be: its median level over the last `recent` iterations above
+    the host's other ranks'."""
     h = data.host
     if not len(h["rank"]):
         return HostStage(findings={}, notes=["no host counters in the trace (not Linux, or traces of an older "
@@ -124,7 +124,10 @@ def _judge(rank: int, ratio: np.ndarray, times: np.ndarray, iterations: np.ndarr
         return float(wait / max(wait + cpu, 1e-9))
 
     min_share = MIN_WAIT_SHARE[training_thread]
-    full = ratio
+    # Starved earlier but no longer: online alerts are about the present. Two ranks on 2 cores,
+    # rank 0 waited 3-14x as long as its peer in iterations 0-4 (a process starting beside it) and
+    # 0.01x once the peer was throttled; over iterations 0-6 the whole-series test still named it.
+    still = not recent or float(np.median(ratio[-recent:])) > 0
     median = float(np.median(ratio))
     z = median / (1.2533 * noise / np.sqrt(len(ratio)))
     starved = int(np.sum(ratio > 0))
@@ -141,14 +144,8 @@ def _judge(rank: int, ratio: np.ndarray, times: np.ndarray, iterations: np.ndarr
             flagged, median, z, onset, since = True, change[0], change[1], int(iterations[change[2]]), change[2]
             ratio = ratio[since:]
             starved = len(ratio)
-    if flagged and recent and np.median(full[-recent:]) <= 0:
-        # Starved earlier but no longer: online alerts are about the present. Two ranks on 2
-        # cores, rank 0 waited 3-14x as long as its peer in iterations 0-4 (a process starting
-        # beside it) and 0.01x once the peer was throttled; over iterations 0-6 the whole-series
-        # test still named rank 0.
-        flagged = False
     return StarvationFinding(rank=rank, iterations=len(ratio), starved_iterations=starved, ratio=float(np.exp(median)),
-                             wait_share=share(since), z=float(z), flagged=flagged, onset_iteration=onset,
+                             wait_share=share(since), z=float(z), flagged=flagged and still, onset_iteration=onset,
                              training_thread=training_thread)
 
 

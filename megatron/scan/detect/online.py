@@ -316,9 +316,8 @@ class OnlineDetectPlugin(Plugin):
             return
         self.windows.append((done - self.continuous + 1, done))
         if len(self.windows) * self.continuous < MIN_ITERATIONS:
-            # No verdict before then: loading the traces for nothing took CPU from rank 0 (on
-            # 4 ranks over 2 cores its threads waited for a CPU several times as long as the
-            # others' in the first iterations).
+            # analyze() gives no verdict before then: asking would only load the traces beside
+            # training.
             return
         kept = self.windows[-self.detector.windows_kept:]
         self.detector.submit(len(self.windows), kept[0][0], done)
