@@ -39,6 +39,7 @@ Usage:
   python benchmarks/trace_overhead.py [--layouts pp2] [--iters 60] [--target 0.01] [--max-pairs 40]
   python benchmarks/trace_overhead.py --side-by-side --layouts single --iters 150 --max-pairs 80 [--stop-on cpu]
   python benchmarks/trace_overhead.py --mode interleaved [--iters 400] [--layouts pp2-dp2,tp2-pp2]
+  python benchmarks/trace_overhead.py --device cuda [--layouts single] [--max-minutes 5]   (on a GPU machine)
 """
 from __future__ import annotations
 
@@ -68,17 +69,23 @@ LAYOUTS = {
 }
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--micro-batch-size", "2", "--global-batch-size", "16", "--mock-data", "--vocab-size", "512", "--device", "cpu"]
+# On a GPU: GPT-2 small's shape in bf16, 4 microbatches of 2 x 1024 tokens (about 0.1 s per iteration
+# on one H100), so that a run's start-up does not dominate it and the kernels, not Python, set the pace.
+CUDA_MODEL = ["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "1024",
+              "--max-position-embeddings", "1024", "--micro-batch-size", "2", "--global-batch-size", "8",
+              "--mock-data", "--vocab-size", "50257", "--bf16", "--device", "cuda"]
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+)")
 
 
-def start_job(layout: str, iters: int, flags: list[str], cpus: set[int] | None = None) -> subprocess.Popen:
+def start_job(layout: str, iters: int, flags: list[str], cpus: set[int] | None = None,
+              model: list[str] = MODEL) -> subprocess.Popen:
     """Start one run of the layout with `flags` (torchrun and its ranks confined to `cpus` if given)."""
     if layout not in LAYOUTS:
         raise SystemExit(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
     ranks, layout_flags = LAYOUTS[layout]
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-               "--master-port", str(_free_port()), "pretrain_gpt.py", *MODEL, *layout_flags,
+               "--master-port", str(_free_port()), "pretrain_gpt.py", *model, *layout_flags,
                "--train-iters", str(iters), "--log-interval", "1", "--lr-decay-style", "constant", *flags]
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -155,10 +162,11 @@ def cpu_ms_per_iteration(times: dict[int, tuple[float, float]]) -> float:
     return (times[last][1] - times[first][1]) * 1e3 / max(last - first, 1)
 
 
-def run_job(layout: str, iters: int, flags: list[str], warmup: int = 0) -> tuple[dict[int, float], float]:
+def run_job(layout: str, iters: int, flags: list[str], warmup: int = 0,
+            model: list[str] = MODEL) -> tuple[dict[int, float], float]:
     """Per-iteration time (ms) of one run of the layout with `flags`, keyed by 0-based iteration,
     and the ranks' CPU ms per iteration after `warmup` iterations."""
-    times = timed_lines(start_job(layout, iters, flags), layout)
+    times = timed_lines(start_job(layout, iters, flags, model=model), layout)
     return ({it: ms for it, (ms, _, _) in times.items()},
             cpu_ms_per_iteration({it: (ms, cpu) for it, (ms, _, cpu) in times.items() if it >= warmup - 1}))
 
@@ -309,6 +317,8 @@ def off_vs_on(layout: str, args: argparse.Namespace) -> dict:
     if args.trace_every_iteration:
         trace_flags += ["--trace-interval", "1", "--continuous-trace-iterations", "1"]
     halves = _core_halves(layout) if args.side_by_side else None
+    model = CUDA_MODEL if args.device == "cuda" else MODEL
+    began = time.monotonic()
     pairs: list[tuple[float, float]] = []  # (off, on) trimmed-mean iteration ms
     cpu_pairs: list[tuple[float, float]] = []  # (off, on) the ranks' CPU ms per iteration
     events = []
@@ -317,11 +327,11 @@ def off_vs_on(layout: str, args: argparse.Namespace) -> dict:
         with tempfile.TemporaryDirectory() as trace_dir:
             flags = {"off": [], "on": [*trace_flags, "--trace-dir", trace_dir]}
             if halves:  # both at once; the traced run takes the other cores in every other pair
-                procs = {kind: start_job(layout, args.iters, flags[kind], cpus)
+                procs = {kind: start_job(layout, args.iters, flags[kind], cpus, model=model)
                          for kind, cpus in zip(order, halves)}
                 times, cpu = side_by_side_times(procs, layout, args.warmup)
             else:  # one after the other, in the order off,on,on,off,...
-                runs = {kind: run_job(layout, args.iters, flags[kind], args.warmup) for kind in order}
+                runs = {kind: run_job(layout, args.iters, flags[kind], args.warmup, model=model) for kind in order}
                 times, cpu = {k: r[0] for k, r in runs.items()}, {k: r[1] for k, r in runs.items()}
             events.append(events_per_iteration(trace_dir, args.iters))
         result = {kind: trimmed_mean(list(_steady(t, args.warmup))) for kind, t in times.items()}
@@ -334,6 +344,9 @@ def off_vs_on(layout: str, args: argparse.Namespace) -> dict:
               f"{cpu['on']:.2f}, ratio so far {cpu_ratio:.4f} [{cpu_low:.4f}, {cpu_high:.4f}]", flush=True)
         stop = (low, high, ratio) if args.stop_on == "wall" else (cpu_low, cpu_high, cpu_ratio)
         if len(pairs) >= args.min_pairs and max(stop[1] - stop[2], stop[2] - stop[0]) <= args.target:
+            break
+        if args.max_minutes and len(pairs) >= args.min_pairs and time.monotonic() - began > args.max_minutes * 60:
+            print(f"[overhead] {layout}: --max-minutes {args.max_minutes:g} reached after {len(pairs)} pairs", flush=True)
             break
     off = statistics.fmean(p[0] for p in pairs)
     ratio, low, high = ratio_interval(pairs)
@@ -394,6 +407,12 @@ def main() -> int:
                              "ranks' CPU time per iteration's")
     parser.add_argument("--min-pairs", type=int, default=4, help="off-vs-on: run pairs before the first stop test")
     parser.add_argument("--max-pairs", type=int, default=40, help="off-vs-on: most run pairs per layout")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="off-vs-on: stop adding run pairs to a layout after this many minutes (once --min-pairs "
+                             "are done), whatever the interval")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="off-vs-on: ranks on CPU (gloo, a tiny GPT) or on GPUs (NCCL, GPT-2 small's shape in "
+                             "bf16, one GPU per rank)")
     parser.add_argument("--side-by-side", action="store_true",
                         help="off-vs-on: run the two runs of each pair at the same time, each on its own cores "
                              "(needs 2 cores per rank; the traced run swaps cores every pair), so that changes "
@@ -402,18 +421,33 @@ def main() -> int:
     interleaved = args.mode == "interleaved"
     args.iters = args.iters or (400 if interleaved else 60)
     args.warmup = args.warmup if args.warmup is not None else (20 if interleaved else 10)
-    layouts = (args.layouts or ("pp2-dp2,tp2-pp2" if interleaved else "pp2")).split(",")
+    default = "pp2-dp2,tp2-pp2" if interleaved else ("single" if args.device == "cuda" else "pp2")
+    layouts = (args.layouts or default).split(",")
     unknown = [layout for layout in layouts if layout not in LAYOUTS]
     if unknown:
         parser.error(f"unknown layout(s) {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
     if interleaved:
+        if args.device != "cpu":
+            parser.error("--mode interleaved runs CPU ranks only; use the default off-vs-on mode with --device cuda")
         return interleaved_table(layouts, args)
+    if args.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        wanted = max(LAYOUTS[layout][0] for layout in layouts)
+        if args.side_by_side:
+            parser.error("--side-by-side would put both runs of a pair on the same GPU; leave it out with --device cuda")
+        if not gpus:
+            parser.error("--device cuda needs a CUDA GPU and torch sees none here; leave --device out for CPU ranks")
+        if gpus < wanted:
+            parser.error(f"--device cuda puts one rank on each GPU: layouts {', '.join(layouts)} need {wanted} and "
+                         f"this machine has {gpus}; pick --layouts single (or fewer ranks)")
     cost_ns = span_cost_us() * 1e3
     rows = [off_vs_on(layout, args) for layout in layouts]
     what = "every iteration" if args.trace_every_iteration else "--trace defaults (2 of every 5 iterations)"
     pairing = ("the two runs of a pair at the same time on their own cores, swapped every pair" if args.side_by_side
                else "runs alternated off,on,on,off,...")
-    print(f"\nMegaScan off vs --trace ({what}, granularity {args.granularity}), CPU ranks, {args.iters} iterations "
+    print(f"\nMegaScan off vs --trace ({what}, granularity {args.granularity}), {args.device.upper()} ranks, {args.iters} iterations "
           f"per run (first {args.warmup} left out), {pairing}; a recorded span costs {cost_ns:.0f} ns in a loop")
     print(f"{'layout':8s} {'pairs':>5s} {'off ms':>8s} {'on ms':>8s} {'ratio':>7s} {'95% CI':>17s} "
           f"{'events/it':>9s} {'ns/event (95% CI)':>26s} {'CPU ms off':>10s} {'CPU ratio':>9s} {'CPU 95% CI':>17s} "

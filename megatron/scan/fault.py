@@ -14,6 +14,7 @@ frozen rank continued."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -27,6 +28,9 @@ GROUP_PREFIX = "megascan-fault-"
 PROC = Path("/proc")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 POLL_S = 0.2
+# cgroup v2 may put the quota group above the rank's own cgroup; where each process came from is
+# kept here too, so that `release` after a killed `throttle` sends it back there, not to the group's parent.
+STATE_DIR = Path(os.environ.get("MEGASCAN_FAULT_STATE_DIR", "/run/megascan-fault"))
 
 
 class FaultError(RuntimeError):
@@ -177,6 +181,7 @@ class CpuQuota:
         self.group: Path | None = None
         self.moved = 0
         self.origins: dict[int, Path] = {}  # v2: each moved process's own cgroup, to go back to
+        self.enabled: Path | None = None  # v2: where this fault turned the cpu controller on, to turn off
 
     def _hierarchy(self) -> tuple[int, Path]:
         v1 = self.root / "cpu"
@@ -206,22 +211,26 @@ class CpuQuota:
             self.group.mkdir(exist_ok=True)
             if self.version == 1:
                 period = int((self.group / "cpu.cfs_period_us").read_text())
-                (self.group / "cpu.cfs_quota_us").write_text(str(max(1000, int(self.fraction * period))))
+                _write(self.group / "cpu.cfs_quota_us", str(max(1000, int(self.fraction * period))))
                 for p in self.processes:
                     for tid in p.threads(self.proc):
                         self.moved += _move(self.group / "tasks", tid)
             else:
                 period = 100_000
-                (self.group / "cpu.max").write_text(f"{max(1000, int(self.fraction * period))} {period}")
-                for p in self.processes:  # v2 moves whole processes (all their threads)
+                _write(self.group / "cpu.max", f"{max(1000, int(self.fraction * period))} {period}")
+                for p in self.processes:
                     try:
                         self.origins[p.pid] = self._current(p.pid)
                     except OSError:  # exited meanwhile
                         continue
-                    self.moved += len(p.threads(self.proc)) if _move(self.group / "cgroup.procs", p.pid) else 0
+                _save_state(self.group, self.origins, self.enabled)  # before any move: a kill loses nothing
+                for pid in self.origins:  # v2 moves whole processes (all their threads)
+                    process = next(p for p in self.processes if p.pid == pid)
+                    self.moved += len(process.threads(self.proc)) if _move(self.group / "cgroup.procs", pid) else 0
         except OSError as exc:
+            group = self.group
             self.release()
-            raise FaultError(f"cgroup v{self.version}: could not set up the quota group {self.group}: {exc}") from exc
+            raise FaultError(f"cgroup v{self.version}: could not set up the quota group {group}: {exc}") from exc
         except BaseException:
             self.release()
             raise
@@ -230,18 +239,24 @@ class CpuQuota:
             raise FaultError("the target exited before it could be throttled")
 
     def _v2_parent(self, own: Path) -> Path:
-        """Where the v2 quota group can live: the target's own cgroup when the cpu controller is (or
-        can be) enabled for its children, else the nearest ancestor where it can. A cgroup that
-        holds processes cannot hand controllers to children (the no-internal-processes rule) and a
-        controller reaches a level only if every level above passes it on: a container's or a
-        service manager's cgroup often does neither (a job in `/process_api/<id>` on a VM whose
-        `/process_api` does not pass cpu down). The hierarchy's root always can when it lists cpu,
-        and moving the rank there for the fault's duration is undone by `release`, which puts every
-        process back where it was."""
+        """Where the v2 quota group can live: the nearest of the target's own cgroup and its
+        ancestors that holds no process (the no-internal-process rule; the hierarchy's root is
+        exempt) and passes the cpu controller to its children, or can be made to. Turning cpu on
+        in a cgroup that holds processes would make it a thread root, a change that outlives the
+        fault and leaves its children unable to take a process (EOPNOTSUPP): such a level is
+        skipped. A container's or a service manager's cgroup (a job in `/process_api/<id>` on a
+        VM) holds processes, so the group goes to a level above it, and the rank is moved there
+        for the fault's duration; `release` puts every process back and turns off what it turned
+        on, once no other fault group under that level needs it."""
         candidates = [own, *[a for a in own.parents if a == self.hierarchy or self.hierarchy in a.parents]]
         tried = []
         for directory in candidates:
-            if _enable_cpu(directory):
+            if directory != self.hierarchy and _read_ids(directory / "cgroup.procs"):
+                tried.append(f"{directory} (holds processes)")
+                continue
+            enabled = _enable_cpu(directory)
+            if enabled is not None:
+                self.enabled = directory if enabled or _enabled_by_a_fault(directory) else None
                 return directory
             tried.append(str(directory))
         raise FaultError(f"cgroup v2: the cpu controller cannot be enabled for the children of {', '.join(tried)}; "
@@ -277,29 +292,34 @@ class CpuQuota:
 
     def release(self) -> None:
         """Every thread back where it was (its own cgroup, which is the group's parent unless v2
-        put the group higher up), the group removed. Safe to call twice."""
+        put the group higher up), the group removed, the cpu controller off again where v2 turned
+        it on. Safe to call twice."""
         if self.group is None:
             return
-        for pid, origin in self.origins.items():
-            if origin != self.group.parent:  # the group was an ancestor's: back to its own cgroup
-                try:
-                    _move(origin / "cgroup.procs", pid)
-                except OSError:  # its cgroup is gone: release_group leaves it in the group's parent
-                    pass
-        release_group(self.group, self.version)
+        state = {"origins": {str(pid): str(origin) for pid, origin in self.origins.items()},
+                 "enabled_cpu": str(self.enabled) if self.enabled else None}
+        release_group(self.group, self.version, state)
         self.group = None
 
 
-def _enable_cpu(directory: Path) -> bool:
-    """Whether the cpu controller is enabled for `directory`'s children (enabling it if needed)."""
+def _enable_cpu(directory: Path) -> bool | None:
+    """Make the cpu controller reach `directory`'s children: True if this call turned it on,
+    False if it already was, None if it cannot be (ENOENT: not passed down from above)."""
     subtree = directory / "cgroup.subtree_control"
     try:
         if "cpu" in subtree.read_text().split():
-            return True
+            return False
         subtree.write_text("+cpu")
         return True
-    except OSError:  # ENOENT: not passed down from above; EBUSY: it holds processes
-        return False
+    except OSError:
+        return None
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as exc:  # a failed write() names no file
+        raise OSError(exc.errno, f"{exc.strerror} (writing {text!r} to {path})") from exc
 
 
 def _move(target: Path, task_id: int) -> int:
@@ -311,7 +331,8 @@ def _move(target: Path, task_id: int) -> int:
     except OSError as exc:
         if exc.errno == 3:  # ESRCH
             return 0
-        raise
+        # A failed write() names no file: say which move the kernel refused.
+        raise OSError(exc.errno, f"{exc.strerror} (writing {task_id} to {target})") from exc
 
 
 def _read_ids(path: Path) -> list[int]:
@@ -321,20 +342,81 @@ def _read_ids(path: Path) -> list[int]:
         return []
 
 
-def release_group(group: Path, version: int) -> None:
-    """Move what is still inside `group` to its parent and remove it (retrying briefly: a thread
-    may be created while the group is emptied)."""
+def _state_file(group: Path) -> Path:
+    return STATE_DIR / f"{group.name}.json"
+
+
+def _save_state(group: Path, origins: dict[int, Path], enabled: Path | None) -> None:
+    """Record (v2) each process's own cgroup where it is not the group's parent, and the level
+    where the cpu controller was turned on for the fault, for a `release` in another process."""
+    away = {str(pid): str(origin) for pid, origin in origins.items() if origin != group.parent}
+    if away or enabled:
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        _state_file(group).write_text(json.dumps({"group": str(group), "origins": away,
+                                                  "enabled_cpu": str(enabled) if enabled else None}))
+
+
+def _load_state(group: Path) -> dict:
+    try:
+        state = json.loads(_state_file(group).read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if state.get("group") == str(group) else {}
+
+
+def _enabled_by_a_fault(directory: Path) -> bool:
+    """Whether a live fault group's record says it turned cpu on at `directory` (the last fault
+    out turns it off)."""
+    if not STATE_DIR.is_dir():
+        return False
+    for record in STATE_DIR.glob(f"{GROUP_PREFIX}*.json"):
+        try:
+            state = json.loads(record.read_text())
+        except (OSError, ValueError):
+            continue
+        if state.get("enabled_cpu") == str(directory) and Path(state.get("group", "")).is_dir():
+            return True
+    return False
+
+
+def _undo_state(group: Path, state: dict) -> None:
+    """After the group is gone: turn cpu off where the fault turned it on, unless another fault
+    group under that level still uses it; forget the record."""
+    enabled = state.get("enabled_cpu")
+    if enabled and not any(Path(enabled).glob(f"{GROUP_PREFIX}*")):
+        try:
+            (Path(enabled) / "cgroup.subtree_control").write_text("-cpu")
+        except OSError:  # a cgroup made meanwhile by someone else passes cpu on below: it stays
+            pass
+    _state_file(group).unlink(missing_ok=True)
+
+
+def release_group(group: Path, version: int, state: dict | None = None) -> None:
+    """Move what is still inside `group` back to its own cgroup (v2: from `state`, else from the
+    record `throttle` left) or else to the group's parent, remove it (retrying briefly: a thread
+    may be created while the group is emptied), and on v2 turn off the cpu controller where the
+    fault turned it on."""
     members = "tasks" if version == 1 else "cgroup.procs"
+    if state is None:
+        state = _load_state(group) if version == 2 else {}
+    for pid, origin in state.get("origins", {}).items():
+        try:
+            _move(Path(origin) / "cgroup.procs", int(pid))
+        except OSError:  # its cgroup is gone: it goes to the group's parent below
+            pass
     for _ in range(50):
         for task_id in _read_ids(group / members):
             _move(group.parent / members, task_id)
         try:
             group.rmdir()
-            return
         except FileNotFoundError:
-            return
+            pass
         except OSError:
             time.sleep(0.02)
+            continue
+        if version == 2:
+            _undo_state(group, state)
+        return
     raise FaultError(f"could not remove {group}: tasks keep appearing in it")
 
 

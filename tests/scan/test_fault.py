@@ -3,6 +3,7 @@ RANK in its environment. The throttle must reach every thread, be undone on Ctrl
 target ends, and by `release` after the tool itself was killed; nothing may stay in the cgroups."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,21 +18,48 @@ from launch import ROOT, env, free_port
 from megatron.scan import fault
 
 CPU = Path("/sys/fs/cgroup/cpu")
-cgroup_v1 = pytest.mark.skipif(not (CPU / "cpu.cfs_quota_us").exists() or not os.access(CPU, os.W_OK),
-                               reason="needs a writable cgroup v1 cpu hierarchy (root; /sys/fs/cgroup/cpu)")
+
+
+def _writable_hierarchy() -> tuple[int, Path] | None:
+    """(cgroup version, hierarchy) that `fault throttle` would use on this host, or None."""
+    try:
+        quota = fault.CpuQuota(1.0, [])
+    except fault.FaultError:
+        return None
+    return quota.version, quota.hierarchy
+
+
+HIERARCHY = _writable_hierarchy()
+cgroup_writable = pytest.mark.skipif(HIERARCHY is None, reason="needs a writable cgroup cpu hierarchy (root; v1 "
+                                     "/sys/fs/cgroup/cpu, or v2 /sys/fs/cgroup with the cpu controller)")
 SPINNER = "import threading, time\n" \
           "def spin():\n    while True: pass\n" \
           "for _ in range(2): threading.Thread(target=spin, daemon=True).start()\n" \
           "time.sleep(120)\n"
 
 
+def subtree_controls() -> dict[str, str]:
+    """v2: the controllers each level from the root to this process's cgroup passes on (a fault
+    that turned one on must turn it off again)."""
+    if HIERARCHY is None or HIERARCHY[0] != 2:
+        return {}
+    own = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+               if line.startswith("0:"))
+    levels = [HIERARCHY[1] / own.lstrip("/")]
+    levels += [a for a in levels[0].parents if a == HIERARCHY[1] or HIERARCHY[1] in a.parents]
+    return {str(level): (level / "cgroup.subtree_control").read_text().strip() for level in levels}
+
+
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
+    before = subtree_controls()
     yield
+    assert subtree_controls() == before, "a cgroup level passes on other controllers than before the fault"
     left = fault.leftover_groups()
     for group, version in left:
         fault.release_group(group, version)
     assert not left, f"fault cgroups left behind: {left}"
+    assert not list(fault.STATE_DIR.glob(f"{fault.GROUP_PREFIX}*")), "a v2 origins record was left behind"
 
 
 @pytest.fixture
@@ -60,11 +88,27 @@ def wait_for_line(proc: subprocess.Popen, text: str) -> str:
 
 
 def cpu_cgroup(tid_path: Path) -> str:
+    """The thread's cgroup in the hierarchy the throttle uses (v1's cpu line, v2's unified one)."""
     for line in (tid_path / "cgroup").read_text().splitlines():
         number, controllers, path = line.split(":", 2)
-        if "cpu" in controllers.split(","):
+        if (HIERARCHY[0] == 1 and "cpu" in controllers.split(",")) or (HIERARCHY[0] == 2 and number == "0"):
             return path
     raise AssertionError("no cpu cgroup line")
+
+
+def quota_group(line: str) -> Path:
+    """The quota group the tool's "throttled" line names (v2 may put it above the rank's cgroup)."""
+    match = re.search(r"\(cgroup v(\d) (\S+)\)", line)
+    assert match and int(match[1]) == HIERARCHY[0], line
+    return Path(match[2])
+
+
+def relative(group: Path) -> str:
+    return "/" + str(group.relative_to(HIERARCHY[1]))
+
+
+def quota_setting(group: Path) -> str:
+    return (group / "cpu.cfs_quota_us").read_text().strip() if HIERARCHY[0] == 1 else (group / "cpu.max").read_text().strip()
 
 
 def thread_groups(pid: int) -> set[str]:
@@ -76,15 +120,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@cgroup_v1
+@cgroup_writable
 def test_throttle_limits_every_thread_and_ctrl_c_releases(worker):
     proc, port = worker
     before = thread_groups(proc.pid)
     tool = cli("throttle", "--rank", "3", "--job", f":{port}", "--cpu-fraction", "0.2")
     line = wait_for_line(tool, "[fault] throttled rank 3")
-    group = f"/{fault.GROUP_PREFIX}{proc.pid}"
-    assert thread_groups(proc.pid) == {group}, line  # all three threads, not just the main one
-    assert (CPU / group.lstrip("/") / "cpu.cfs_quota_us").read_text().strip() == "20000"
+    group = quota_group(line)
+    assert group.name == f"{fault.GROUP_PREFIX}{proc.pid}"
+    assert thread_groups(proc.pid) == {relative(group)}, line  # all three threads, not just the main one
+    assert quota_setting(group) == ("20000" if HIERARCHY[0] == 1 else "20000 100000")
     start = cpu_seconds(proc.pid)
     time.sleep(1.5)
     rate = (cpu_seconds(proc.pid) - start) / 1.5
@@ -96,33 +141,34 @@ def test_throttle_limits_every_thread_and_ctrl_c_releases(worker):
     periods = re.search(r"the quota stopped it in (\d+) of (\d+) periods", out)
     assert periods and int(periods[2]) >= 10 and int(periods[1]) >= 0.8 * int(periods[2]), out
     assert thread_groups(proc.pid) == before
-    assert not (CPU / group.lstrip("/")).exists()
+    assert not group.exists()
 
 
-@cgroup_v1
+@cgroup_writable
 def test_throttle_ends_with_the_rank_and_leaves_nothing(worker):
     proc, port = worker
     tool = cli("throttle", "--rank", "3", "--job", f":{port}", "--cpu-fraction", "0.5")
-    wait_for_line(tool, "[fault] throttled")
+    group = quota_group(wait_for_line(tool, "[fault] throttled"))
     proc.kill()
     proc.wait()
     out, _ = tool.communicate(timeout=20)
     assert tool.returncode == 0 and "the rank's processes ended" in out, out
-    assert not (CPU / f"{fault.GROUP_PREFIX}{proc.pid}").exists()
+    assert not group.exists()
 
 
-@cgroup_v1
+@cgroup_writable
 def test_release_undoes_a_throttle_whose_tool_was_killed(worker):
+    """Back in its own cgroup even on v2, where the quota group may sit above it."""
     proc, port = worker
     before = thread_groups(proc.pid)
     tool = cli("throttle", "--rank", "3", "--job", f":{port}", "--cpu-fraction", "0.3")
-    wait_for_line(tool, "[fault] throttled")
+    group = quota_group(wait_for_line(tool, "[fault] throttled"))
     tool.kill()  # no chance to undo
     tool.wait()
-    assert thread_groups(proc.pid) == {f"/{fault.GROUP_PREFIX}{proc.pid}"}
+    assert thread_groups(proc.pid) == {relative(group)}
     out = subprocess.run([sys.executable, "-m", "megatron.scan", "fault", "release"], cwd=ROOT, env=env(),
                          capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0 and f"released {CPU / (fault.GROUP_PREFIX + str(proc.pid))}" in out.stdout, out
+    assert out.returncode == 0 and f"released {group}" in out.stdout, out
     assert thread_groups(proc.pid) == before
     assert not fault.leftover_groups()
 
@@ -200,8 +246,9 @@ def test_v2_quota_goes_where_the_cpu_controller_reaches_and_comes_back(tmp_path,
     """On an H100 VM (cgroup v2, job in /process_api/<id>) the throttle failed with a traceback
     while enabling cpu in the job's own cgroup, and the benchmark went on as if it had applied."""
     root, job, target = fake_v2_host(tmp_path)
+    monkeypatch.setattr(fault, "STATE_DIR", tmp_path / "state")
     released = []
-    monkeypatch.setattr(fault, "release_group", lambda group, version: released.append((group, version)))
+    removable_release(monkeypatch, released)
     quota = fault.CpuQuota(0.15, [target], root=root, proc=tmp_path / "proc")
     quota.apply()
     assert quota.version == 2 and quota.group == root / f"{fault.GROUP_PREFIX}4242"
@@ -210,6 +257,62 @@ def test_v2_quota_goes_where_the_cpu_controller_reaches_and_comes_back(tmp_path,
     quota.release()
     assert (job / "cgroup.procs").read_text() == "4242"  # back in its own cgroup, not in the root
     assert released == [(root / f"{fault.GROUP_PREFIX}4242", 2)]
+
+
+def removable_release(monkeypatch, released: list) -> None:
+    """release_group on the fake tree: its files go first, as a real cgroup's go with rmdir."""
+    real = fault.release_group
+
+    def release(group: Path, version: int, state=None):
+        released.append((group, version))
+        for file in group.iterdir():
+            file.unlink()
+        real(group, version, state)
+    monkeypatch.setattr(fault, "release_group", release)
+
+
+def test_v2_origin_is_kept_for_release_after_the_tool_was_killed(tmp_path, monkeypatch):
+    """`fault release` runs in another process than the killed `throttle`: where the rank came
+    from must be on disk, written before it was moved, and gone once it is back."""
+    root, job, target = fake_v2_host(tmp_path)
+    monkeypatch.setattr(fault, "STATE_DIR", tmp_path / "state")
+    quota = fault.CpuQuota(0.15, [target], root=root, proc=tmp_path / "proc")
+    quota.apply()
+    record = tmp_path / "state" / f"{fault.GROUP_PREFIX}4242.json"
+    assert json.loads(record.read_text())["origins"] == {"4242": str(job)}
+    removable_release(monkeypatch, [])
+    fault.release_group(quota.group, 2)  # what `fault release` does, from the record alone
+    assert (job / "cgroup.procs").read_text() == "4242" and not record.exists()
+
+
+def test_v2_never_turns_a_cgroup_with_processes_into_a_thread_root(tmp_path, monkeypatch):
+    """On the H100 VM the job's own cgroup could take "+cpu" once /process_api passed cpu down:
+    with processes in it that made it a thread root, its new child refused the rank (EOPNOTSUPP)
+    and the change outlived the fault. A level with processes is skipped; the level the fault
+    turned cpu on at is turned off again by the last fault to leave it."""
+    root, job, _ = fake_v2_host(tmp_path)
+    monkeypatch.setattr(fault, "STATE_DIR", tmp_path / "state")
+    api = root / "process_api"
+    for level, controllers in ((api, "memory"), (job, "")):
+        (level / "cgroup.subtree_control").rmdir()
+        (level / "cgroup.subtree_control").write_text(controllers)
+    (job / "cgroup.procs").write_text("4242\n4343\n")
+    (tmp_path / "proc" / "4343" / "task" / "4343").mkdir(parents=True)
+    (tmp_path / "proc" / "4343" / "cgroup").write_text("0::/process_api/job\n")
+    first, second = (fault.CpuQuota(0.2, [fault.RankProcess(pid=pid, rank=r, local_rank=r, job="-", command="x")],
+                                    root=root, proc=tmp_path / "proc") for r, pid in ((0, 4242), (1, 4343)))
+    first.apply()
+    assert first.group.parent == api and first.enabled == api
+    assert (job / "cgroup.subtree_control").read_text() == ""  # the job's cgroup was never asked
+    (api / "cgroup.subtree_control").write_text("cpu memory")  # what the kernel shows after "+cpu"
+    second.apply()  # cpu is on already, turned on by a live fault: the last one out turns it off
+    assert second.group.parent == api and second.enabled == api
+    removable_release(monkeypatch, [])
+    first.release()
+    assert (api / "cgroup.subtree_control").read_text() == "cpu memory"  # the second still needs it
+    second.release()
+    assert (api / "cgroup.subtree_control").read_text() == "-cpu"
+    assert not list((tmp_path / "state").iterdir())
 
 
 def test_v2_host_where_no_level_passes_cpu_on_says_what_to_change(tmp_path):
