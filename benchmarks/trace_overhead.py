@@ -346,7 +346,8 @@ def off_vs_on(layout: str, args: argparse.Namespace) -> dict:
         if len(pairs) >= args.min_pairs and max(stop[1] - stop[2], stop[2] - stop[0]) <= args.target:
             break
         if args.max_minutes and len(pairs) >= args.min_pairs and time.monotonic() - began > args.max_minutes * 60:
-            print(f"[overhead] {layout}: --max-minutes {args.max_minutes:g} reached after {len(pairs)} pairs", flush=True)
+            print(f"[overhead] {layout}: --max-minutes {args.max_minutes:g} reached after {len(pairs)} pairs",
+                  flush=True)
             break
     off = statistics.fmean(p[0] for p in pairs)
     ratio, low, high = ratio_interval(pairs)
@@ -447,7 +448,8 @@ def main() -> int:
     what = "every iteration" if args.trace_every_iteration else "--trace defaults (2 of every 5 iterations)"
     pairing = ("the two runs of a pair at the same time on their own cores, swapped every pair" if args.side_by_side
                else "runs alternated off,on,on,off,...")
-    print(f"\nMegaScan off vs --trace ({what}, granularity {args.granularity}), {args.device.upper()} ranks, {args.iters} iterations "
+    print(f"\nMegaScan off vs --trace ({what}, granularity {args.granularity}), {args.device.upper()} ranks, "
+          f"{args.iters} iterations "
           f"per run (first {args.warmup} left out), {pairing}; a recorded span costs {cost_ns:.0f} ns in a loop")
     print(f"{'layout':8s} {'pairs':>5s} {'off ms':>8s} {'on ms':>8s} {'ratio':>7s} {'95% CI':>17s} "
           f"{'events/it':>9s} {'ns/event (95% CI)':>26s} {'CPU ms off':>10s} {'CPU ratio':>9s} {'CPU 95% CI':>17s} "

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from launch import ROOT, env, free_port
-from megatron.scan import fault
+from megatron.scan.fault import cgroups, targets
 
 CPU = Path("/sys/fs/cgroup/cpu")
 
@@ -23,8 +23,8 @@ CPU = Path("/sys/fs/cgroup/cpu")
 def _writable_hierarchy() -> tuple[int, Path] | None:
     """(cgroup version, hierarchy) that `fault throttle` would use on this host, or None."""
     try:
-        quota = fault.CpuQuota(1.0, [])
-    except fault.FaultError:
+        quota = cgroups.CpuQuota(1.0, [])
+    except targets.FaultError:
         return None
     return quota.version, quota.hierarchy
 
@@ -55,11 +55,11 @@ def nothing_left_behind():
     before = subtree_controls()
     yield
     assert subtree_controls() == before, "a cgroup level passes on other controllers than before the fault"
-    left = fault.leftover_groups()
+    left = cgroups.leftover_groups()
     for group, version in left:
-        fault.release_group(group, version)
+        cgroups.release_group(group, version)
     assert not left, f"fault cgroups left behind: {left}"
-    assert not list(fault.STATE_DIR.glob(f"{fault.GROUP_PREFIX}*")), "a v2 origins record was left behind"
+    assert not list(cgroups.STATE_DIR.glob(f"{cgroups.GROUP_PREFIX}*")), "a v2 origins record was left behind"
 
 
 @pytest.fixture
@@ -108,7 +108,7 @@ def relative(group: Path) -> str:
 
 
 def quota_setting(group: Path) -> str:
-    return (group / "cpu.cfs_quota_us").read_text().strip() if HIERARCHY[0] == 1 else (group / "cpu.max").read_text().strip()
+    return (group / ("cpu.cfs_quota_us" if HIERARCHY[0] == 1 else "cpu.max")).read_text().strip()
 
 
 def thread_groups(pid: int) -> set[str]:
@@ -127,7 +127,7 @@ def test_throttle_limits_every_thread_and_ctrl_c_releases(worker):
     tool = cli("throttle", "--rank", "3", "--job", f":{port}", "--cpu-fraction", "0.2")
     line = wait_for_line(tool, "[fault] throttled rank 3")
     group = quota_group(line)
-    assert group.name == f"{fault.GROUP_PREFIX}{proc.pid}"
+    assert group.name == f"{cgroups.GROUP_PREFIX}{proc.pid}"
     assert thread_groups(proc.pid) == {relative(group)}, line  # all three threads, not just the main one
     assert quota_setting(group) == ("20000" if HIERARCHY[0] == 1 else "20000 100000")
     start = cpu_seconds(proc.pid)
@@ -170,7 +170,7 @@ def test_release_undoes_a_throttle_whose_tool_was_killed(worker):
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and f"released {group}" in out.stdout, out
     assert thread_groups(proc.pid) == before
-    assert not fault.leftover_groups()
+    assert not cgroups.leftover_groups()
 
 
 def process_state(pid: int) -> str:
@@ -223,7 +223,7 @@ def test_bad_targets_say_what_to_change(worker):
         assert zero.returncode == 2 and "--cpu-fraction must be > 0" in zero.stderr
 
 
-def fake_v2_host(tmp_path: Path, *, root_passes_cpu: bool = True) -> tuple[Path, Path, fault.RankProcess]:
+def fake_v2_host(tmp_path: Path, *, root_passes_cpu: bool = True) -> tuple[Path, Path, targets.RankProcess]:
     """A cgroup v2 tree as a VM's service manager leaves it: the job in /process_api/job, neither
     level passing the cpu controller on (their subtree_control cannot be written: directories
     here, so that writing fails as the kernel's ENOENT / EBUSY does), only the root does."""
@@ -239,49 +239,49 @@ def fake_v2_host(tmp_path: Path, *, root_passes_cpu: bool = True) -> tuple[Path,
         (level / "cgroup.subtree_control").mkdir()
     (proc / "4242" / "task" / "4242").mkdir(parents=True)
     (proc / "4242" / "cgroup").write_text("0::/process_api/job\n")
-    return root, job, fault.RankProcess(pid=4242, rank=1, local_rank=1, job="-", command="python")
+    return root, job, targets.RankProcess(pid=4242, rank=1, local_rank=1, job="-", command="python")
 
 
 def test_v2_quota_goes_where_the_cpu_controller_reaches_and_comes_back(tmp_path, monkeypatch):
     """On an H100 VM (cgroup v2, job in /process_api/<id>) the throttle failed with a traceback
     while enabling cpu in the job's own cgroup, and the benchmark went on as if it had applied."""
     root, job, target = fake_v2_host(tmp_path)
-    monkeypatch.setattr(fault, "STATE_DIR", tmp_path / "state")
+    monkeypatch.setattr(cgroups, "STATE_DIR", tmp_path / "state")
     released = []
     removable_release(monkeypatch, released)
-    quota = fault.CpuQuota(0.15, [target], root=root, proc=tmp_path / "proc")
+    quota = cgroups.CpuQuota(0.15, [target], root=root, proc=tmp_path / "proc")
     quota.apply()
-    assert quota.version == 2 and quota.group == root / f"{fault.GROUP_PREFIX}4242"
+    assert quota.version == 2 and quota.group == root / f"{cgroups.GROUP_PREFIX}4242"
     assert (quota.group / "cpu.max").read_text() == "15000 100000"
     assert (quota.group / "cgroup.procs").read_text() == "4242" and quota.moved == 1
     quota.release()
     assert (job / "cgroup.procs").read_text() == "4242"  # back in its own cgroup, not in the root
-    assert released == [(root / f"{fault.GROUP_PREFIX}4242", 2)]
+    assert released == [(root / f"{cgroups.GROUP_PREFIX}4242", 2)]
 
 
 def removable_release(monkeypatch, released: list) -> None:
     """release_group on the fake tree: its files go first, as a real cgroup's go with rmdir."""
-    real = fault.release_group
+    real = cgroups.release_group
 
     def release(group: Path, version: int, state=None):
         released.append((group, version))
         for file in group.iterdir():
             file.unlink()
         real(group, version, state)
-    monkeypatch.setattr(fault, "release_group", release)
+    monkeypatch.setattr(cgroups, "release_group", release)
 
 
 def test_v2_origin_is_kept_for_release_after_the_tool_was_killed(tmp_path, monkeypatch):
     """`fault release` runs in another process than the killed `throttle`: where the rank came
     from must be on disk, written before it was moved, and gone once it is back."""
     root, job, target = fake_v2_host(tmp_path)
-    monkeypatch.setattr(fault, "STATE_DIR", tmp_path / "state")
-    quota = fault.CpuQuota(0.15, [target], root=root, proc=tmp_path / "proc")
+    monkeypatch.setattr(cgroups, "STATE_DIR", tmp_path / "state")
+    quota = cgroups.CpuQuota(0.15, [target], root=root, proc=tmp_path / "proc")
     quota.apply()
-    record = tmp_path / "state" / f"{fault.GROUP_PREFIX}4242.json"
+    record = tmp_path / "state" / f"{cgroups.GROUP_PREFIX}4242.json"
     assert json.loads(record.read_text())["origins"] == {"4242": str(job)}
     removable_release(monkeypatch, [])
-    fault.release_group(quota.group, 2)  # what `fault release` does, from the record alone
+    cgroups.release_group(quota.group, 2)  # what `fault release` does, from the record alone
     assert (job / "cgroup.procs").read_text() == "4242" and not record.exists()
 
 
@@ -291,7 +291,7 @@ def test_v2_never_turns_a_cgroup_with_processes_into_a_thread_root(tmp_path, mon
     and the change outlived the fault. A level with processes is skipped; the level the fault
     turned cpu on at is turned off again by the last fault to leave it."""
     root, job, _ = fake_v2_host(tmp_path)
-    monkeypatch.setattr(fault, "STATE_DIR", tmp_path / "state")
+    monkeypatch.setattr(cgroups, "STATE_DIR", tmp_path / "state")
     api = root / "process_api"
     for level, controllers in ((api, "memory"), (job, "")):
         (level / "cgroup.subtree_control").rmdir()
@@ -299,7 +299,7 @@ def test_v2_never_turns_a_cgroup_with_processes_into_a_thread_root(tmp_path, mon
     (job / "cgroup.procs").write_text("4242\n4343\n")
     (tmp_path / "proc" / "4343" / "task" / "4343").mkdir(parents=True)
     (tmp_path / "proc" / "4343" / "cgroup").write_text("0::/process_api/job\n")
-    first, second = (fault.CpuQuota(0.2, [fault.RankProcess(pid=pid, rank=r, local_rank=r, job="-", command="x")],
+    first, second = (cgroups.CpuQuota(0.2, [targets.RankProcess(pid=pid, rank=r, local_rank=r, job="-", command="x")],
                                     root=root, proc=tmp_path / "proc") for r, pid in ((0, 4242), (1, 4343)))
     first.apply()
     assert first.group.parent == api and first.enabled == api
@@ -317,6 +317,6 @@ def test_v2_never_turns_a_cgroup_with_processes_into_a_thread_root(tmp_path, mon
 
 def test_v2_host_where_no_level_passes_cpu_on_says_what_to_change(tmp_path):
     root, _, target = fake_v2_host(tmp_path, root_passes_cpu=False)
-    with pytest.raises(fault.FaultError, match=r"cpu controller cannot be enabled .*from the root down"):
-        fault.CpuQuota(0.15, [target], root=root, proc=tmp_path / "proc").apply()
-    assert not list(root.rglob(f"{fault.GROUP_PREFIX}*"))
+    with pytest.raises(targets.FaultError, match=r"cpu controller cannot be enabled .*from the root down"):
+        cgroups.CpuQuota(0.15, [target], root=root, proc=tmp_path / "proc").apply()
+    assert not list(root.rglob(f"{cgroups.GROUP_PREFIX}*"))
