@@ -27,8 +27,12 @@ def build_parser(plugins: Sequence = ()) -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--pipeline-schedule", choices=["auto", "1f1b", "interleaved", "gpipe"], default="auto",
-                   help="static pipeline order; auto = interleaved with virtual stages, else 1f1b")
+    g.add_argument("--pipeline-schedule", choices=["auto", "1f1b", "interleaved", "gpipe", "megatron-core"],
+                   default="auto",
+                   help="pipeline order run by this trainer's executor; auto = interleaved with virtual stages, "
+                        "else 1f1b. megatron-core: megatron-core's own get_forward_backward_func() (no "
+                        "pipelining, 1F1B or interleaved, by the parallel sizes) drives each iteration, "
+                        "on CPU and CUDA alike")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
 
     g = parser.add_argument_group("model")

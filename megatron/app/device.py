@@ -120,6 +120,75 @@ def _tied_embedding_copy_stays_on_cpu() -> Iterator[None]:
         torch.Tensor.cuda = original
 
 
+class _CUDAOnCPU:
+    """`torch.cuda` as megatron-core's pipeline schedule modules see it on the CPU backend.
+    Replaces, in `megatron.core.pipeline_parallel.p2p_communication.P2PCommunicator`:
+    `device=torch.cuda.current_device()` (receive buffers in `_communicate`, shape tensors in
+    `_communicate_shapes`) and `torch.cuda.synchronize()` (after batched P2P when
+    `config.batch_p2p_sync`). Anything else it asks of `torch.cuda` fails with the name."""
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        pass
+
+    def __getattr__(self, name):
+        raise AttributeError(
+            f"megatron-core's pipeline schedule called torch.cuda.{name}, which has no CPU stand-in; "
+            "add one to _CUDAOnCPU in megatron/app/device.py"
+        )
+
+
+class _TorchOnCPU:
+    """`torch` as megatron-core's pipeline schedule modules see it on the CPU backend: the real
+    module except for the CUDA-only calls they make. Replaces, in
+    `megatron.core.pipeline_parallel.schedules`: `torch.zeros([], dtype=torch.int, device="cuda")`
+    (the token count of `forward_backward_no_pipelining`, `..._with_interleaving`,
+    `..._without_interleaving`) and `torch.autocast("cuda", ...)` (`forward_step` under
+    `config.enable_autocast`); and `torch.cuda` (see `_CUDAOnCPU`)."""
+
+    cuda = _CUDAOnCPU()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device=_cpu_for_cuda(device), **kwargs)
+
+    @staticmethod
+    def empty(*args, device=None, **kwargs):
+        return torch.empty(*args, device=_cpu_for_cuda(device), **kwargs)
+
+    @staticmethod
+    def autocast(device_type, *args, **kwargs):
+        return torch.autocast("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+
+def _cpu_for_cuda(device):
+    if device is None:
+        return None
+    return torch.device("cpu") if torch.device(device).type == "cuda" else device
+
+
+SCHEDULE_MODULES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel.p2p_communication")
+
+
+def use_megatron_core_schedules_on_cpu() -> None:
+    """Let `megatron.core.pipeline_parallel.get_forward_backward_func()` (no pipelining, 1F1B,
+    interleaved) run on the CPU backend: the schedule and P2P modules see `_TorchOnCPU` as their
+    `torch`. Only those two modules' globals change; idempotent."""
+    import importlib
+
+    for name in SCHEDULE_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _TorchOnCPU):
+            module.torch = _TorchOnCPU()
+
+
 # --------------------------------------------------------------------------------------
 # Backends
 # --------------------------------------------------------------------------------------
@@ -230,6 +299,7 @@ class CPUBackend(DeviceBackend):
 
         super().init_model_parallel(tp, pp, vpp, seed, initialize)
         parallel_state._GLOBAL_MEMORY_BUFFER = _cpu_global_memory_buffer()
+        use_megatron_core_schedules_on_cpu()
 
     def _seed(self, seed: int) -> None:
         from megatron.core import parallel_state

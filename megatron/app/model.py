@@ -30,6 +30,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, num_chunks:
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=num_chunks if num_chunks > 1 else None,
+        # For megatron-core's own schedules (--pipeline-schedule megatron-core), Megatron-LM's
+        # defaults: the interleaved schedule overlaps P2P with compute and posts single ops, since
+        # with PP=2 a batch of ops to the one peer in both directions pairs the wrong messages.
+        overlap_p2p_comm=num_chunks > 1,
+        batch_p2p_comm=num_chunks == 1,
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std,

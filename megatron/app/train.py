@@ -22,9 +22,10 @@ from megatron.app.data import DataError
 from megatron.app.device import DeviceBackend, DeviceError, build_backend, enable_deterministic_mode
 from megatron.app.executor import PipelineExecutor, StageContext
 from megatron.app.logs import MetricsLogger, print_rank_0
+from megatron.app.mcore_schedule import MegatronCoreSchedule
 from megatron.app.model import build_model_chunks, count_parameters
 from megatron.app.observer import span
-from megatron.app.plugins import PluginSet, available_plugins
+from megatron.app.plugins import Plugin, PluginSet, available_plugins
 from megatron.app.schedule import PipelineLayout, build_schedule
 from megatron.app.tokenizer import TokenizerError
 from megatron.app.training_data import TrainingData
@@ -83,8 +84,9 @@ def learning_rate(cfg, iteration: int) -> float:
 
 
 def pick_schedule_name(cfg: RunConfig) -> str:
+    """The static order this trainer builds (for megatron-core's schedule: the order it runs)."""
     name = cfg.training.pipeline_schedule
-    if name == "auto":
+    if name in ("auto", MegatronCoreSchedule.schedule_name):
         return "interleaved" if cfg.num_chunks > 1 else "1f1b"
     return name
 
@@ -145,11 +147,18 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
         dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
         device=backend.device,
     )
-    ctx.executor = plugins.first("make_executor", ctx) or PipelineExecutor(ctx.chunks, ctx.stage, ctx.transport)
+    ctx.executor = plugins.first("make_executor", ctx) or default_executor(ctx)
     ctx.step_runner = plugins.first("make_step_runner", ctx) or train_step
     ctx.evaluator = plugins.first("make_evaluator", ctx) or evaluate
     plugins.call("setup", ctx)
     return ctx
+
+
+def default_executor(ctx: TrainContext):
+    """This trainer's executor over the static order, or megatron-core's own schedule."""
+    if ctx.cfg.training.pipeline_schedule == MegatronCoreSchedule.schedule_name:
+        return MegatronCoreSchedule(ctx.chunks, ctx.stage)
+    return PipelineExecutor(ctx.chunks, ctx.stage, ctx.transport)
 
 
 def train_step(ctx: TrainContext, plugins: PluginSet) -> dict[str, Any]:
@@ -256,6 +265,18 @@ def parse(argv: Sequence[str] | None = None) -> tuple[RunConfig, PluginSet]:
     plugins = PluginSet([p for p in candidates if p.enabled(args)])
     plugins.call("configure_layout", cfg)
     validate(cfg)
+    if cfg.training.pipeline_schedule == MegatronCoreSchedule.schedule_name:
+        # megatron-core's schedule drives the whole iteration; a plugin that replaces the
+        # executor, the transport or the step would be silently bypassed.
+        for plugin in plugins.plugins:
+            replaced = [hook for hook in ("make_executor", "make_transport", "make_step_runner")
+                        if getattr(type(plugin), hook) is not getattr(Plugin, hook)]
+            if replaced:
+                raise ConfigError(
+                    f"--pipeline-schedule megatron-core cannot run with the {plugin.name} plugin, which replaces "
+                    f"the pipeline's {', '.join(h.removeprefix('make_') for h in replaced)}; pick another "
+                    "--pipeline-schedule or drop that plugin's flag"
+                )
     plugins.call("configure", cfg)
     return cfg, plugins
 

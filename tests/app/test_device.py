@@ -23,6 +23,19 @@ SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
         ("megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork", "_set_cuda_rng_state", "_cpu_rng_tracker"),
         ("megatron.core.models.common.language_module.language_module:LanguageModule.setup_embeddings_and_output_layer",
          "weight.data.cuda()", "_tied_embedding_copy_stays_on_cpu"),
+        ("megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining",
+         'torch.zeros([], dtype=torch.int, device="cuda")', "_TorchOnCPU.zeros"),
+        ("megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_without_interleaving",
+         'torch.zeros([], dtype=torch.int, device="cuda")', "_TorchOnCPU.zeros"),
+        ("megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_with_interleaving",
+         'torch.zeros([], dtype=torch.int, device="cuda")', "_TorchOnCPU.zeros"),
+        ("megatron.core.pipeline_parallel.schedules:forward_step", 'torch.autocast("cuda"', "_TorchOnCPU.autocast"),
+        ("megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator._communicate",
+         "device=torch.cuda.current_device()", "_CUDAOnCPU.current_device"),
+        ("megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator._communicate",
+         "torch.cuda.synchronize()", "_CUDAOnCPU.synchronize"),
+        ("megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator._communicate_shapes",
+         "device=torch.cuda.current_device()", "_CUDAOnCPU.current_device"),
         # Why the trainer always passes an explicit causal mask:
         ("megatron.core.transformer.utils:get_default_causal_mask", 'device="cuda"', "TrainingData._prepare"),
     ],
@@ -39,6 +52,56 @@ def test_megatron_core_still_has_the_cuda_call_each_stand_in_replaces(owner, nee
         f"megatron-core changed {attr_path}: it no longer contains {needle!r}. Re-check the CPU stand-in "
         f"{stand_in} in megatron/app/device.py (it may be obsolete or need updating)."
     )
+
+
+def _cuda_uses(module_name: str) -> tuple[set[str], list[str]]:
+    """The `torch.cuda.<name>` attributes a module's source uses, and every call that passes the
+    string "cuda" (as `device=` or as the first argument), as `func@line`."""
+    import ast
+    import importlib
+
+    tree = ast.parse(inspect.getsource(importlib.import_module(module_name)))
+    attributes, calls = set(), []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "cuda" and isinstance(node.value.value, ast.Name)
+                and node.value.value.id == "torch"):
+            attributes.add(node.attr)
+        if isinstance(node, ast.Call):
+            values = [k.value for k in node.keywords if k.arg == "device"] + node.args[:1]
+            if any(isinstance(v, ast.Constant) and v.value == "cuda" for v in values):
+                calls.append(f"{ast.unparse(node.func)}@{node.lineno}")
+    return attributes, calls
+
+
+@pytest.mark.parametrize("module_name,attributes,calls", [
+    ("megatron.core.pipeline_parallel.schedules", set(), {"torch.zeros", "torch.autocast"}),
+    ("megatron.core.pipeline_parallel.p2p_communication", {"current_device", "synchronize"}, set()),
+])
+def test_megatron_core_schedules_make_no_cuda_call_without_a_cpu_stand_in(module_name, attributes, calls):
+    """Every CUDA-only call in megatron-core's schedule and P2P modules is one `_TorchOnCPU` /
+    `_CUDAOnCPU` replaces; a new one in an upgrade fails here rather than in a CPU run."""
+    used, cuda_calls = _cuda_uses(module_name)
+    assert used <= attributes, f"{module_name} now uses torch.cuda.{sorted(used - attributes)}: add a stand-in"
+    unknown = [c for c in cuda_calls if c.split("@")[0] not in calls]
+    assert not unknown, f"{module_name} now calls {unknown} with \"cuda\": add a stand-in to _TorchOnCPU"
+    stand_in = device._TorchOnCPU()
+    for name in attributes:
+        assert callable(getattr(stand_in.cuda, name))
+    for name in calls:
+        assert getattr(device._TorchOnCPU, name.removeprefix("torch.")) is not getattr(torch, name.removeprefix("torch."))
+
+
+def test_schedule_stand_ins_keep_everything_else_on_the_real_torch():
+    stand_in = device._TorchOnCPU()
+    assert stand_in.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+    assert stand_in.empty((2,), device=stand_in.cuda.current_device()).device.type == "cpu"
+    assert stand_in.zeros(2, device="cpu").device.type == "cpu"
+    assert stand_in.distributed is torch.distributed and stand_in.Tensor is torch.Tensor
+    with pytest.raises(AttributeError, match="torch.cuda.Stream, which has no CPU stand-in"):
+        stand_in.cuda.Stream()
+    with stand_in.autocast("cuda", dtype=torch.bfloat16):
+        assert torch.is_autocast_enabled("cpu")
 
 
 def test_cpu_rng_tracker_forks_named_streams_and_restores_the_outer_state():

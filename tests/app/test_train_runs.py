@@ -69,3 +69,44 @@ def test_tensorboard_scalars(tmp_path):
     events.Reload()
     assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3]
     assert "learning-rate" in events.Tags()["scalars"]
+
+
+def test_megatron_core_schedule_in_the_trainer(tmp_path):
+    """`--pipeline-schedule megatron-core` (interleaved PP=2 x 2 chunks, traced) prints the same loss
+    curve as the trainer's own executor, and the trace has a forward and a backward span for every
+    (chunk, microbatch) of every traced iteration."""
+    args = [*SMALL_MODEL, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+            "--mock-data", "--vocab-size", "256", "--train-iters", "4"]
+    ours = torchrun("pretrain_gpt.py", args, nproc=2)
+    assert ours.returncode == 0, ours.stdout[-3000:] + ours.stderr[-3000:]
+    traced = ["--trace", "--trace-dir", str(tmp_path), "--trace-interval", "2", "--continuous-trace-iterations", "1"]
+    theirs = torchrun("pretrain_gpt.py", [*args, "--pipeline-schedule", "megatron-core", *traced], nproc=2)
+    assert theirs.returncode == 0, theirs.stdout[-3000:] + theirs.stderr[-3000:]
+    assert "schedule megatron-core" in theirs.stdout
+    assert losses(theirs.stdout) == losses(ours.stdout) and len(losses(ours.stdout)) == 4
+
+    from megatron.scan.trace_format import read_rank_file
+
+    microbatches = 16 // 2  # global batch / micro batch, dp = 1
+    files = sorted(tmp_path.glob("benchmark-*.json"))
+    assert len(files) == 2
+    for path in files:
+        trace = read_rank_file(path)
+        c = trace.columns
+        spans = {(trace.names[n], int(ch), int(mb), int(it))
+                 for n, ch, mb, it in zip(c["name"], c["chunk"], c["microbatch"], c["iteration"])
+                 if trace.names[n] in ("forward", "backward")}
+        traced_iterations = {it for *_, it in spans}
+        assert len(traced_iterations) == 2, (path.name, traced_iterations)
+        expected = {(kind, chunk, mb, it) for kind in ("forward", "backward") for chunk in (0, 1)
+                    for mb in range(microbatches) for it in traced_iterations}
+        assert spans == expected, (path.name, sorted(expected ^ spans)[:5])
+
+
+def test_megatron_core_schedule_refuses_a_plugin_that_replaces_the_pipeline():
+    proc = torchrun("pretrain_gpt.py", [*SMALL_MODEL, "--pipeline-model-parallel-size", "2", "--mock-data",
+                                        "--vocab-size", "256", "--train-iters", "2",
+                                        "--pipeline-schedule", "megatron-core", "--use-dpp"], nproc=2)
+    assert proc.returncode != 0
+    assert ("--pipeline-schedule megatron-core cannot run with the dpp plugin, which replaces the pipeline's "
+            "executor, transport") in proc.stderr

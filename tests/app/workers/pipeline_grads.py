@@ -36,6 +36,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--untie", action="store_true")
+    parser.add_argument("--schedule", choices=["ours", "megatron-core", "both"], default="ours",
+                        help="both: run ours, then megatron-core's get_forward_backward_func() on the same "
+                             "model and microbatches, and save both results")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -58,23 +61,33 @@ def main() -> None:
     stage = StageContext(layout=layout, pp_rank=pp_rank,
                          pp_global_ranks=dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()),
                          activation_shape=(16, 2, 64), dtype=torch.float32, device=torch.device("cpu"))
-    executor = PipelineExecutor(chunks, stage)
     name = "interleaved" if chunks_n > 1 else "1f1b"
     dp_rank = parallel_state.get_data_parallel_rank()
     per_dp = args.microbatches // dp
-    result = executor.run(build_schedule(name, layout, pp_rank),
-                          lambda mb: synthetic_microbatch(dp_rank * per_dp + mb, 2, 16, 100))
-    backend.finalize_grads(chunks)
-    grads = {}
-    for chunk in chunks:
-        for local, param in chunk.named_parameters():
-            grads[global_parameter_name(chunk, local) + ("@output" if local.startswith("output_layer") else "")] = (
-                param.grad.clone(),
-                getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None,
-            )
-    torch.save({"losses": result.losses, "grads": grads,
-                "tp_rank": parallel_state.get_tensor_model_parallel_rank(), "dp_rank": dp_rank},
-               f"{args.out}/rank{dist.get_rank()}.pt")
+    schedules = ["ours", "megatron-core"] if args.schedule == "both" else [args.schedule]
+    saved = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(), "dp_rank": dp_rank, "pp_rank": pp_rank}
+    for which in schedules:
+        backend.zero_grad(chunks)
+        if which == "ours":
+            executor = PipelineExecutor(chunks, stage)
+        else:
+            from megatron.app.mcore_schedule import MegatronCoreSchedule
+
+            executor = MegatronCoreSchedule(chunks, stage)
+        result = executor.run(build_schedule(name, layout, pp_rank),
+                              lambda mb: synthetic_microbatch(dp_rank * per_dp + mb, 2, 16, 100))
+        backend.finalize_grads(chunks)
+        grads = {}
+        for chunk in chunks:
+            for local, param in chunk.named_parameters():
+                grads[global_parameter_name(chunk, local) + ("@output" if local.startswith("output_layer") else "")] = (
+                    param.grad.clone(),
+                    getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None,
+                )
+        saved[which] = {"losses": result.losses, "grads": grads, "num_tokens": result.num_tokens}
+    # The single-schedule form keeps the layout the unpipelined comparison reads.
+    saved.update(saved[schedules[0]])
+    torch.save(saved, f"{args.out}/rank{dist.get_rank()}.pt")
     backend.shutdown()
 
 
