@@ -189,6 +189,32 @@ def use_megatron_core_schedules_on_cpu() -> None:
             module.torch = _TorchOnCPU()
 
 
+def run_megatron_core_on_cpu(seed: int) -> None:
+    """The one call a megatron-core training script makes to run on CPU (gloo) instead of CUDA:
+    in place of `tensor_parallel.model_parallel_cuda_manual_seed(seed)`, after
+    `parallel_state.initialize_model_parallel(...)`. It installs every stand-in above for the rest
+    of the process: the CPU memory buffer, the CPU RNG tracker seeded as
+    `model_parallel_cuda_manual_seed` seeds it, the tied-embedding copy kept on the CPU, and
+    megatron-core's pipeline schedules on CPU. The script builds its model with
+    `use_cpu_initialization=True` and passes an explicit attention mask, as it may on GPUs too."""
+    from megatron.core import parallel_state
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("run_megatron_core_on_cpu(seed) goes after parallel_state.initialize_model_parallel(...)")
+    parallel_state._GLOBAL_MEMORY_BUFFER = _cpu_global_memory_buffer()
+    _cpu_rng_tracker(seed, parallel_state.get_tensor_model_parallel_rank())
+    use_megatron_core_schedules_on_cpu()
+    original = LanguageModule.setup_embeddings_and_output_layer
+    if not getattr(original, "__cpu_stand_in__", False):
+        def setup_embeddings_and_output_layer(self, *args, **kwargs):
+            with _tied_embedding_copy_stays_on_cpu():
+                return original(self, *args, **kwargs)
+
+        setup_embeddings_and_output_layer.__cpu_stand_in__ = True
+        LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
 # --------------------------------------------------------------------------------------
 # Backends
 # --------------------------------------------------------------------------------------
