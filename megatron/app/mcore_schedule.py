@@ -75,36 +75,51 @@ class MegatronCoreSchedule:
 
 @contextlib.contextmanager
 def _spans() -> Iterator[None]:
-    """Forward/backward spans around megatron-core's `forward_step` / `backward_step`, which its
-    schedules look up as module globals. A backward is matched to its forward by the identity of
-    the output tensor the schedule hands back to it."""
-    from megatron.core.pipeline_parallel import schedules
-
     observer = get_observer()
     if isinstance(observer, NullObserver):
         yield
         return
+    undo = install_step_spans(observer)
+    try:
+        yield
+    finally:
+        undo()
+
+
+def install_step_spans(observer, on_forward: Callable[[tuple, dict], None] | None = None) -> Callable[[], None]:
+    """Forward/backward spans, on `observer.span(kind, chunk=, microbatch=)`, around megatron-core's
+    `forward_step` / `backward_step`, which its schedules look up as module globals (so a
+    schedule function the program got from `get_forward_backward_func()` earlier is covered too).
+    A backward is matched to its forward by the identity of the output tensor the schedule hands
+    back to it. `on_forward(args, kwargs)` sees each forward_step call first. Returns the undo."""
+    from megatron.core.pipeline_parallel import schedules
+
     original_forward, original_backward = schedules.forward_step, schedules.backward_step
     owner: dict[int, tuple[int, int]] = {}
 
     def forward_step(*args, **kwargs):
+        if on_forward is not None:
+            on_forward(args, kwargs)
         chunk = kwargs.get("vp_stage") or 0
         microbatch = kwargs.get("current_microbatch")
+        microbatch = -1 if microbatch is None else microbatch
         with observer.span("forward", chunk=chunk, microbatch=microbatch):
             output = original_forward(*args, **kwargs)
         owner[id(_first_tensor(output[0]))] = (chunk, microbatch)
         return output
 
     def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
-        chunk, microbatch = owner.pop(id(_first_tensor(output_tensor)), (None, None))
+        chunk, microbatch = owner.pop(id(_first_tensor(output_tensor)), (-1, -1))
         with observer.span("backward", chunk=chunk, microbatch=microbatch):
             return original_backward(input_tensor, output_tensor, output_tensor_grad, model_type, config)
 
     schedules.forward_step, schedules.backward_step = forward_step, backward_step
-    try:
-        yield
-    finally:
-        schedules.forward_step, schedules.backward_step = original_forward, original_backward
+
+    def undo() -> None:
+        if schedules.forward_step is forward_step:
+            schedules.forward_step, schedules.backward_step = original_forward, original_backward
+
+    return undo
 
 
 def _first_tensor(value):

@@ -1,6 +1,9 @@
 """Zero-code-change tracing of any torch.distributed program: `python -m megatron.scan launch --
 torchrun ... script.py` (or the MEGASCAN_* environment form) writes the same per-rank trace files,
-hang dumps, crash files and metrics as the trainer, from collectives, DDP buckets and optimizer steps."""
+hang dumps, crash files and metrics as the trainer, from collectives, point-to-point transfers, DDP
+buckets and optimizer steps. In a megatron-core program it also records the pipeline schedule's
+forward and backward per (chunk, microbatch) and takes each rank's TP/PP/DP coordinates from
+megatron-core's parallel state, so pipeline stages are told apart."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +21,7 @@ from typing import Any, Sequence
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding megatron/
 _C10D = "torch.distributed.distributed_c10d"
+_MCORE_SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 # Modules whose early `from torch.distributed import all_reduce` aliases are rebound too.
 ALIAS_PREFIXES = ("__main__", "megatron", "torch.nn.parallel", "torch.distributed.fsdp",
                   "torch.distributed.algorithms", "torch.distributed.tensor")
@@ -86,25 +90,39 @@ def run(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------ in the worker
 
 
-class _InitHook(importlib.abc.MetaPathFinder):
-    """Patches torch.distributed.init_process_group the moment c10d is imported, without
-    importing torch at interpreter start-up."""
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """Calls `then(module)` the moment the module named `name` has been imported (without
+    importing it, or torch, any earlier)."""
+
+    def __init__(self, name: str, then) -> None:
+        self.name = name
+        self.then = then
 
     def find_spec(self, name: str, path: Any, target: Any = None):
-        if name != _C10D:
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None:
             return spec
         original_exec = spec.loader.exec_module
+        then = self.then
 
         def exec_module(module) -> None:
             original_exec(module)
-            _patch_init(module)
+            then(module)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
+
+
+def when_imported(name: str, then) -> None:
+    """`then(module)` now if `name` is imported already, else right after its import."""
+    module = sys.modules.get(name)
+    if module is not None:
+        then(module)
+    else:
+        sys.meta_path.insert(0, _ImportHook(name, then))
 
 
 def arm() -> None:
@@ -115,7 +133,7 @@ def arm() -> None:
         if getattr(sys.modules.get("torch.distributed"), "init_process_group", None) is not module.init_process_group:
             sys.modules["torch.distributed"].init_process_group = module.init_process_group
     else:
-        sys.meta_path.insert(0, _InitHook())
+        when_imported(_C10D, _patch_init)
 
 
 def _patch_init(c10d) -> None:
@@ -189,6 +207,9 @@ class LaunchSession:
         self.watchdog = None
         self.crash = None
         self.metrics = None
+        self.p2p = None
+        self._undo_steps = None
+        self._layout_known = False
         self.iteration = 0
         self._optimizer_id: int | None = None
         self._iteration_start = 0
@@ -201,6 +222,7 @@ class LaunchSession:
         from megatron.scan.timers import build_timer
         from megatron.scan.trace_format import TraceWriter, header_fields, trace_file_name
         from megatron.scan.tracer import Tracer, WindowSchedule
+        from megatron.scan.p2p import P2PObserver
         from megatron.scan.watchdog import CrashCapture, Watchdog, process_identity
 
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -217,6 +239,8 @@ class LaunchSession:
         self.tracer = tracer = Tracer(writer=writer, timer=build_timer("cpu", None),
                                       schedule=WindowSchedule(self.interval, self.continuous))
         tracer.collectives.install(ALIAS_PREFIXES)
+        self.p2p = P2PObserver(now=tracer.mark, sink=self._record_p2p, recording=lambda: tracer.active)
+        self.p2p.install(ALIAS_PREFIXES)
         identity = process_identity(rank, world_size, {"dp": rank, "pp": 0, "tp": 0})
         self.crash = CrashCapture(self.directory, identity).install()
         if self.hang_timeout > 0:
@@ -228,6 +252,8 @@ class LaunchSession:
             self._start_metrics(identity)
         self._hook_optimizers()
         self._hook_ddp()
+        if os.environ.get("MEGASCAN_MCORE_HOOKS", "1") != "0":
+            when_imported(_MCORE_SCHEDULES, self._hook_megatron_core)
         self._iteration_start = time.perf_counter_ns()
         tracer.begin_iteration(0)
         atexit.register(self.close, "exit")
@@ -280,6 +306,47 @@ class LaunchSession:
             self.watchdog.set_iteration(self.iteration)
         if self.metrics is not None:
             self.metrics.on_iteration({"iteration_time": seconds})
+
+    # --- point-to-point and megatron-core's pipeline schedule -------------------------------
+    def _record_p2p(self, kind: str, start, end, peer: int, size: int, dtype: str | None) -> None:
+        tracer = self.tracer
+        tracer.events.append((kind, start, end, tracer.iteration, -1, -1, size, peer, -1, -1, -1,
+                              tracer.device_flag, dtype))
+
+    def _hook_megatron_core(self, schedules) -> None:
+        from megatron.app.mcore_schedule import install_step_spans
+
+        self._undo_steps = install_step_spans(self.tracer, on_forward=self._on_forward)
+        self._layout_known = False
+
+    def _on_forward(self, args: tuple, kwargs: dict) -> None:
+        """At the first forward of megatron-core's schedule its parallel state is set up: put this
+        rank's coordinates, the layout's sizes and the microbatch count in the trace header."""
+        if self._layout_known:
+            return
+        self._layout_known = True
+        try:
+            from megatron.core import parallel_state as ps
+
+            from megatron.scan.trace_format import trace_file_name
+
+            if not ps.model_parallel_is_initialized():
+                return
+            coordinates = {"dp": ps.get_data_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+                           "tp": ps.get_tensor_model_parallel_rank()}
+            sizes = {"dp": ps.get_data_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+                     "tp": ps.get_tensor_model_parallel_world_size(),
+                     "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1}
+            microbatches = kwargs.get("num_microbatches", args[3] if len(args) > 3 else 1)
+            writer = self.tracer.writer
+            trace = {**writer.header.get("trace", {}), "granularity": "megatron-core"}
+            path = self.directory / trace_file_name(coordinates["dp"], coordinates["pp"], coordinates["tp"])
+            if not writer.update_header({"coordinates": coordinates, "sizes": sizes, "trace": trace,
+                                         "num_microbatches": int(microbatches)}, path):
+                print("[megascan] megatron-core's layout was found after the first traced window was written; "
+                      "the trace keeps every rank as a data-parallel replica", file=sys.stderr, flush=True)
+        except Exception as exc:  # a tracing failure must not fail the job
+            print(f"[megascan] megatron-core layout not recorded: {exc!r}", file=sys.stderr, flush=True)
 
     # --- DDP ------------------------------------------------------------------------------
     def _hook_ddp(self) -> None:
@@ -341,6 +408,10 @@ class LaunchSession:
         if self.tracer is not None and not self.tracer.closed:
             with self._lock:
                 self.tracer.close({"reason": reason, "iterations": self.iteration})
+            if self.p2p is not None:
+                self.p2p.uninstall()
+            if self._undo_steps is not None:
+                self._undo_steps()
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.metrics is not None:

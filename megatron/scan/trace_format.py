@@ -140,18 +140,15 @@ class TraceWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._skew = skew
-        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         header = {"type": "header", "format": FORMAT, "version": VERSION, **header}
         if skew is not None:
             reference = header["clock_reference"]
             header["clock_reference"] = {"wall_ns": skew.wall(reference["wall_ns"]),
                                          "monotonic_ns": skew.mono(reference["monotonic_ns"])}
-        with open(temporary, "wb") as f:
-            f.write((json.dumps(header, separators=(",", ":")) + "\n").encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, self.path)
+        self.header = header
+        self._write_header(self.path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        self._submitted = False
         self._queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.bytes_written = 0
@@ -159,7 +156,32 @@ class TraceWriter:
         self._thread = threading.Thread(target=self._run, name="megascan-writer", daemon=True)
         self._thread.start()
 
+    def _write_header(self, path: Path) -> None:
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(temporary, "wb") as f:
+            f.write((json.dumps(self.header, separators=(",", ":")) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+
+    def update_header(self, fields: dict[str, Any], path: str | os.PathLike | None = None) -> bool:
+        """Before the first window: merge `fields` into the header (what a program only reveals once
+        it runs, e.g. its parallel layout) and optionally move the file to `path`. The new file is
+        complete before the old one goes. Returns False, changing nothing, once a window was submitted."""
+        if self._submitted or self._fd < 0:
+            return False
+        new_path = Path(path) if path is not None else self.path
+        self.header = {**self.header, **fields}
+        self._write_header(new_path)
+        os.close(self._fd)
+        if new_path != self.path:
+            self.path.unlink(missing_ok=True)
+            self.path = new_path
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        return True
+
     def submit(self, record: WindowRecord) -> None:
+        self._submitted = True
         self._queue.put(record)
 
     def _append(self, data: bytes) -> None:
