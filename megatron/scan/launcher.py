@@ -207,7 +207,6 @@ class LaunchSession:
         self.watchdog = None
         self.crash = None
         self.metrics = None
-        self.p2p = None
         self._undo_steps = None
         self._layout_known = False
         self.iteration = 0
@@ -222,7 +221,6 @@ class LaunchSession:
         from megatron.scan.timers import build_timer
         from megatron.scan.trace_format import TraceWriter, header_fields, trace_file_name
         from megatron.scan.tracer import Tracer, WindowSchedule
-        from megatron.scan.p2p import P2PObserver
         from megatron.scan.watchdog import CrashCapture, Watchdog, process_identity
 
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -239,8 +237,7 @@ class LaunchSession:
         self.tracer = tracer = Tracer(writer=writer, timer=build_timer("cpu", None),
                                       schedule=WindowSchedule(self.interval, self.continuous))
         tracer.collectives.install(ALIAS_PREFIXES)
-        self.p2p = P2PObserver(now=tracer.mark, sink=self._record_p2p, recording=lambda: tracer.active)
-        self.p2p.install(ALIAS_PREFIXES)
+        tracer.trace_point_to_point(ALIAS_PREFIXES)
         identity = process_identity(rank, world_size, {"dp": rank, "pp": 0, "tp": 0})
         self.crash = CrashCapture(self.directory, identity).install()
         if self.hang_timeout > 0:
@@ -307,12 +304,7 @@ class LaunchSession:
         if self.metrics is not None:
             self.metrics.on_iteration({"iteration_time": seconds})
 
-    # --- point-to-point and megatron-core's pipeline schedule -------------------------------
-    def _record_p2p(self, kind: str, start, end, peer: int, size: int, dtype: str | None) -> None:
-        tracer = self.tracer
-        tracer.events.append((kind, start, end, tracer.iteration, -1, -1, size, peer, -1, -1, -1,
-                              tracer.device_flag, dtype))
-
+    # --- megatron-core's pipeline schedule ---------------------------------------------------
     def _hook_megatron_core(self, schedules) -> None:
         from megatron.app.mcore_schedule import install_step_spans
 
@@ -408,8 +400,6 @@ class LaunchSession:
         if self.tracer is not None and not self.tracer.closed:
             with self._lock:
                 self.tracer.close({"reason": reason, "iterations": self.iteration})
-            if self.p2p is not None:
-                self.p2p.uninstall()
             if self._undo_steps is not None:
                 self._undo_steps()
         if self.watchdog is not None:

@@ -91,6 +91,7 @@ class Tracer:
         self.events: list[tuple] = []
         self.collectives = CollectiveObserver(self.mark, self._record_collective, self._record_collective_wait)
         self.layer_scopes = None  # set by the plugin for --trace-granularity full
+        self.p2p = None  # see trace_point_to_point
         self.counters = IterationCounters()
         self.windows_written = 0
         self._window_first = -1
@@ -123,6 +124,19 @@ class Tracer:
         microbatch, chunk = self.context
         self.events.append((COLLECTIVE_WAIT, start, end, self.iteration, microbatch, chunk, -1, -1, -1, -1, -1,
                             self.device_flag, None))
+
+    def trace_point_to_point(self, alias_module_prefixes=()) -> None:
+        """Also record torch.distributed's point-to-point calls (megatron-core's schedule, a launched
+        program), which no span of ours surrounds; undone by close()."""
+        from megatron.scan.p2p import P2PObserver
+
+        if self.p2p is None:
+            self.p2p = P2PObserver(now=self.mark, sink=self._record_p2p, recording=lambda: self.active)
+            self.p2p.install(alias_module_prefixes)
+
+    def _record_p2p(self, kind: str, start, end, peer: int, size: int, dtype: str | None) -> None:
+        self.events.append((kind, start, end, self.iteration, -1, -1, size, peer, -1, -1, -1, self.device_flag,
+                            dtype))
 
     def record_layer(self, kind: str, start, end, layer: int, context: tuple[int, int]) -> None:
         self.events.append((kind, start, end, self.iteration, context[0], context[1], -1, -1, -1, -1, layer,
@@ -185,4 +199,6 @@ class Tracer:
         self.closed = True
         self.counters.close()
         self.collectives.uninstall()
+        if self.p2p is not None:
+            self.p2p.uninstall()
         self.writer.close({"windows": self.windows_written, **end_record})

@@ -74,7 +74,7 @@ def test_tensorboard_scalars(tmp_path):
 def test_megatron_core_schedule_in_the_trainer(tmp_path):
     """`--pipeline-schedule megatron-core` (interleaved PP=2 x 2 chunks, traced) prints the same loss
     curve as the trainer's own executor, and the trace has a forward and a backward span for every
-    (chunk, microbatch) of every traced iteration."""
+    (chunk, microbatch) of every traced iteration, and megatron-core's P2P transfers all linked."""
     args = [*SMALL_MODEL, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
             "--mock-data", "--vocab-size", "256", "--train-iters", "4"]
     ours = torchrun("pretrain_gpt.py", args, nproc=2)
@@ -101,6 +101,13 @@ def test_megatron_core_schedule_in_the_trainer(tmp_path):
         expected = {(kind, chunk, mb, it) for kind in ("forward", "backward") for chunk in (0, 1)
                     for mb in range(microbatches) for it in traced_iterations}
         assert spans == expected, (path.name, sorted(expected ^ spans)[:5])
+
+    from megatron.scan.aggregate import aggregate
+
+    summary = aggregate(tmp_path, tmp_path / "merged.json", jobs=1).summary()
+    # megatron-core's own P2P: per microbatch 3 activations forward (4 virtual stages) and 3 gradients back
+    assert summary["p2p_links"] == 2 * microbatches * 6, summary
+    assert summary["p2p_unmatched_sends"] == 0 and summary["p2p_unmatched_recvs"] == 0, summary
 
 
 def test_megatron_core_schedule_refuses_a_plugin_that_replaces_the_pipeline():
