@@ -39,7 +39,9 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--continuous-trace-iterations", type=int, default=2, metavar="K",
                    help="iterations per traced window (K <= N)")
     g.add_argument("--trace-granularity", choices=["full", "coarse"], default="coarse",
-                   help="coarse: per-microbatch forward/backward, P2P, collectives, steps; full adds per-layer scopes")
+                   type=lambda value: "coarse" if value == "base" else value,
+                   help="coarse (or base, its name in MegatronApp): per-microbatch forward/backward, P2P, "
+                        "collectives, steps; full adds per-layer scopes")
     g.add_argument("--trace-clock-skew", action="append", default=[], metavar="RANK:OFFSET_MS[:DRIFT_PPM]",
                    help="testing: make RANK's host clock look OFFSET_MS off (and DRIFT_PPM fast) in its trace")
 

@@ -207,9 +207,16 @@ def test_aggregate_script_with_seed_flags(traced_tp2_pp2, tmp_path):
     json.loads(output.read_text())
     proc = python(["-m", "megatron.scan", "aggregate", str(trace_dir), "-o", str(tmp_path / "m.json"), "-q"])
     assert proc.returncode == 0 and proc.stdout == "", proc.stderr
+    # MegatronApp's spellings: -d also writes the merged trace, then detects.
+    for flag in ("--benchmark", "--bench-dir", "--benchmark_dir"):
+        proc = python(["scripts/aggregate.py", flag, str(trace_dir), "-o", str(tmp_path / f"{flag}.json"), "-q"])
+        assert proc.returncode == 0 and json.loads((tmp_path / f"{flag}.json").read_text())["traceEvents"], flag
+    (trace_dir / "merged_trace.json").unlink(missing_ok=True)
     proc = python(["scripts/aggregate.py", "-b", str(trace_dir), "-d"])
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert (trace_dir / "abnormal.json").is_file() and (trace_dir / "abnormal.txt").is_file()
+    assert json.loads((trace_dir / "merged_trace.json").read_text())["traceEvents"]
+    assert proc.stdout.index("wrote ") < proc.stdout.index("MegaScan detection:")
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -229,3 +236,15 @@ def test_bad_trace_flag_message_on_the_command_line():
     proc = python(["pretrain_gpt.py", "--mock-data", "--trace", "--trace-interval", "0"])
     assert proc.returncode == 2 and "error: --trace-interval must be >= 1" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_megatronapp_granularity_names_are_accepted():
+    from megatron.app.train import parse
+    from megatron.app.arguments import build_parser
+    from megatron.app.plugins import available_plugins
+
+    parser = build_parser(available_plugins())
+    assert parser.parse_args(["--mock-data", "--trace", "--trace-granularity", "base"]).trace_granularity == "coarse"
+    assert parser.parse_args(["--mock-data", "--trace", "--trace-granularity", "full"]).trace_granularity == "full"
+    with pytest.raises(SystemExit):
+        parse(["--mock-data", "--trace", "--trace-granularity", "layers"])
