@@ -5,7 +5,9 @@ import argparse
 import os
 from typing import Sequence
 
+from megatron.app import megatron_lm
 from megatron.app.config import (
+    ConfigError,
     CheckpointConfig,
     DataArgs,
     LoggingConfig,
@@ -48,13 +50,47 @@ def build_parser(plugins: Sequence = ()) -> argparse.ArgumentParser:
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
+                   help="local: megatron-core's own layers (the only one here; transformer_engine is refused)")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU), as in Llama")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm", help="norm layers")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of the norm layers")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (with --position-embedding-type rope)")
+    g.add_argument("--rotary-percent", type=float, default=1.0, help="fraction of each head's dims RoPE rotates")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups key/value heads")
+    g.add_argument("--num-query-groups", type=int, default=None, help="key/value heads with --group-query-attention")
+    g.add_argument("--kv-channels", type=int, default=None, help="per-head dimension (default hidden / heads)")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers, as in Llama")
+
+    g = parser.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 parameters and activations with fp32 master weights and loss scaling")
+    g.add_argument("--loss-scale", type=float, default=None, help="a fixed loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="first dynamic loss scale")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="the dynamic scale never goes below this")
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="iterations without overflow before the dynamic scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2, help="overflows tolerated before the dynamic scale halves")
+
+    g = parser.add_argument_group("activation recomputation")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="full: recompute whole layers in backward; selective: only the core attention")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="with full: uniform = every layer in blocks of --recompute-num-layers; block = the first "
+                        "--recompute-num-layers layers of each stage")
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="see --recompute-method")
+    g.add_argument("--recompute-activations", action="store_true", help="same as --recompute-granularity selective")
 
     g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=8)
-    g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--train-iters", type=int, default=None, help="optimizer steps (default 10)")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="train for this many samples instead: --train-iters = samples / global batch")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="stop (after saving, if --save) once training has run this many minutes")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     g.add_argument("--deterministic-mode", action="store_true",
@@ -68,8 +104,16 @@ def build_parser(plugins: Sequence = ()) -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, default=3e-4)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warmup steps")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of the decay steps (instead of --lr-warmup-iters)")
+    g.add_argument("--lr-warmup-samples", type=int, default=None, help="warmup in samples")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="decay steps (default --train-iters)")
+    g.add_argument("--lr-decay-samples", type=int, default=None, help="decay in samples")
+    g.add_argument("--optimizer", choices=["adam"], default="adam",
+                   help="adam (AdamW with --weight-decay); the only optimizer here")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="CUDA: shard optimizer state over data-parallel ranks; on CPU reported as not used")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -90,12 +134,18 @@ def build_parser(plugins: Sequence = ()) -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr", "fsdp_dtensor"], default="torch",
+                   help="torch: per-rank torch files (the only format written here; the others are refused)")
 
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--eval-interval", type=int, default=0)
     g.add_argument("--eval-iters", type=int, default=0)
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--log-throughput", action="store_true",
+                   help="add model TFLOP/s per rank ('throughput per GPU') to the log line")
+
+    megatron_lm.add_arguments(parser)
 
     for plugin in plugins:
         plugin.add_arguments(parser)
@@ -106,6 +156,7 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     """Translate parsed flags into the typed config (no validation here; see config.validate)."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    train_iters, warmup_iters, decay_iters = _iteration_counts(args)
     return RunConfig(
         parallel=ParallelConfig(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -127,26 +178,45 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
             attention_dropout=args.attention_dropout,
             init_method_std=args.init_method_std,
             bf16=args.bf16,
+            fp16=args.fp16,
             transformer_impl=args.transformer_impl,
             deterministic_mode=args.deterministic_mode,
+            swiglu=args.swiglu,
+            normalization=args.normalization,
+            norm_epsilon=args.norm_epsilon,
+            rotary_base=args.rotary_base,
+            rotary_percent=args.rotary_percent,
+            num_query_groups=args.num_query_groups if args.group_query_attention else None,
+            kv_channels=args.kv_channels,
+            add_bias_linear=not args.disable_bias_linear,
+            recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
+            recompute_method=args.recompute_method,
+            recompute_num_layers=args.recompute_num_layers,
         ),
         optimizer=OptimizerConfig(
             lr=args.lr,
             min_lr=args.min_lr,
             lr_decay_style=args.lr_decay_style,
-            lr_warmup_iters=args.lr_warmup_iters,
-            lr_decay_iters=args.lr_decay_iters,
+            lr_warmup_iters=warmup_iters,
+            lr_decay_iters=decay_iters,
             weight_decay=args.weight_decay,
             clip_grad=args.clip_grad,
             adam_beta1=args.adam_beta1,
             adam_beta2=args.adam_beta2,
             adam_eps=args.adam_eps,
             bf16=args.bf16,
+            fp16=args.fp16,
+            loss_scale=args.loss_scale,
+            initial_loss_scale=args.initial_loss_scale,
+            min_loss_scale=args.min_loss_scale,
+            loss_scale_window=args.loss_scale_window,
+            hysteresis=args.hysteresis,
+            use_distributed_optimizer=args.use_distributed_optimizer,
         ),
         training=TrainingConfig(
             micro_batch_size=args.micro_batch_size,
             global_batch_size=args.global_batch_size,
-            train_iters=args.train_iters,
+            train_iters=train_iters,
             seed=args.seed,
             log_interval=args.log_interval,
             eval_interval=args.eval_interval,
@@ -155,9 +225,10 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
             device=args.device,
             distributed_timeout_minutes=args.distributed_timeout_minutes,
             exit_interval=args.exit_interval,
+            exit_duration_in_mins=args.exit_duration_in_mins,
         ),
         checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval),
-        logging=LoggingConfig(tensorboard_dir=args.tensorboard_dir),
+        logging=LoggingConfig(tensorboard_dir=args.tensorboard_dir, log_throughput=args.log_throughput),
         data=DataArgs(
             data_path=args.data_path,
             split=args.split,
@@ -170,3 +241,30 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
         ),
         args=args,
     )
+
+
+def _iteration_counts(args: argparse.Namespace) -> tuple[int, int, int | None]:
+    """(train iters, warmup iters, decay iters) from Megatron-LM's iteration-, sample- or
+    fraction-based flags; a fixed global batch turns samples into iterations."""
+    batch = max(1, args.global_batch_size)
+    if args.train_samples is not None and args.train_iters is not None:
+        raise ConfigError("--train-iters and --train-samples were both given; pass one")
+    train_iters = args.train_iters if args.train_iters is not None else (
+        args.train_samples // batch if args.train_samples is not None else 10)
+    decay_iters = args.lr_decay_iters
+    if args.lr_decay_samples is not None:
+        if decay_iters is not None:
+            raise ConfigError("--lr-decay-iters and --lr-decay-samples were both given; pass one")
+        decay_iters = args.lr_decay_samples // batch
+    warmups = [name for name, value in (("--lr-warmup-iters", args.lr_warmup_iters or None),
+                                        ("--lr-warmup-fraction", args.lr_warmup_fraction),
+                                        ("--lr-warmup-samples", args.lr_warmup_samples)) if value is not None]
+    if len(warmups) > 1:
+        raise ConfigError(f"{' and '.join(warmups)} were all given; pass one way of setting the warmup")
+    warmup_iters = args.lr_warmup_iters
+    if args.lr_warmup_fraction is not None:
+        warmup_iters = int(args.lr_warmup_fraction * (decay_iters or train_iters))
+    elif args.lr_warmup_samples is not None:
+        warmup_iters = args.lr_warmup_samples // batch
+    return train_iters, warmup_iters, decay_iters
+

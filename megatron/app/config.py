@@ -47,8 +47,31 @@ class ModelConfig:
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
     bf16: bool = False
+    fp16: bool = False
     transformer_impl: str = "local"
     deterministic_mode: bool = False
+    # Llama-style architecture (Megatron-LM flags --swiglu, --normalization, --norm-epsilon,
+    # --rotary-base, --rotary-percent, --group-query-attention --num-query-groups, --kv-channels,
+    # --disable-bias-linear)
+    swiglu: bool = False
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    add_bias_linear: bool = True
+    # Activation recomputation (--recompute-granularity/-method/-num-layers)
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+
+    @property
+    def params_dtype(self):
+        """The dtype of parameters and activations (--bf16, --fp16, else fp32)."""
+        import torch
+
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
 
     @property
     def padded_vocab_size(self) -> int:
@@ -69,6 +92,14 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     bf16: bool = False
+    # --fp16: dynamic loss scaling (a fixed scale when loss_scale is set)
+    fp16: bool = False
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    use_distributed_optimizer: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,6 +115,7 @@ class TrainingConfig:
     device: str = "auto"
     distributed_timeout_minutes: float = 10.0
     exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,6 +128,7 @@ class CheckpointConfig:
 @dataclass(kw_only=True, slots=True)
 class LoggingConfig:
     tensorboard_dir: str | None = None
+    log_throughput: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -194,9 +227,10 @@ def validate(cfg: RunConfig) -> None:
         )
     if m.transformer_impl != "local":
         problems.append(
-            f"--transformer-impl {m.transformer_impl} needs Transformer Engine, which is not part of this "
-            "toolchain's supported set; use --transformer-impl local"
+            f"--transformer-impl {m.transformer_impl} needs Transformer Engine, which this trainer does not use "
+            "(megatron-core's local spec runs instead); use --transformer-impl local"
         )
+    problems.extend(_llama_and_precision_problems(cfg))
     if not cfg.data.mock_data and not cfg.data.data_path:
         problems.append("no training data: pass --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
     if t.train_iters < 1:
@@ -215,3 +249,52 @@ def validate(cfg: RunConfig) -> None:
             )
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _llama_and_precision_problems(cfg: RunConfig) -> list[str]:
+    """Megatron-LM flags honoured here whose values must fit together."""
+    m, o, tp = cfg.model, cfg.optimizer, cfg.parallel.tensor_model_parallel_size
+    problems = []
+    if m.bf16 and m.fp16:
+        problems.append("--bf16 and --fp16 were both given; pick one")
+    if m.normalization not in ("LayerNorm", "RMSNorm"):
+        problems.append(f"--normalization {m.normalization}: use LayerNorm or RMSNorm")
+    if m.num_query_groups is not None:
+        if m.num_query_groups < 1 or m.num_attention_heads % m.num_query_groups != 0:
+            problems.append(f"--num-query-groups({m.num_query_groups}) must divide "
+                            f"--num-attention-heads({m.num_attention_heads})")
+        elif m.num_query_groups % tp != 0:
+            problems.append(f"--num-query-groups({m.num_query_groups}) is not divisible by tp({tp})")
+    if not 0.0 < m.rotary_percent <= 1.0:
+        problems.append(f"--rotary-percent must be in (0, 1], got {m.rotary_percent}")
+    if m.recompute_granularity == "full" and m.recompute_method is None:
+        problems.append("--recompute-granularity full needs --recompute-method uniform|block "
+                        "(and --recompute-num-layers N)")
+    if m.recompute_method is not None and m.recompute_granularity != "full":
+        problems.append("--recompute-method applies to --recompute-granularity full only")
+    if m.recompute_granularity == "full" and m.recompute_num_layers is None:
+        problems.append("--recompute-granularity full needs --recompute-num-layers N (layers per recomputed block "
+                        "for uniform, recomputed layers per stage for block)")
+    if o.fp16 and o.loss_scale is not None and o.loss_scale <= 0:
+        problems.append(f"--loss-scale must be > 0, got {o.loss_scale}")
+    if o.fp16 and (o.loss_scale_window < 1 or o.hysteresis < 1 or o.min_loss_scale <= 0):
+        problems.append("--loss-scale-window and --hysteresis must be >= 1 and --min-loss-scale > 0")
+    if o.use_distributed_optimizer and _runs_on_cuda(cfg) and (cfg.checkpoint.save or cfg.checkpoint.load):
+        problems.append("--use-distributed-optimizer with --save/--load: checkpoints of the sharded optimizer "
+                        "state are not written by this trainer yet; drop --use-distributed-optimizer to checkpoint")
+    if getattr(cfg.args, "ckpt_format", "torch") != "torch":
+        problems.append(f"--ckpt-format {cfg.args.ckpt_format}: checkpoints here are per-rank torch files; use "
+                        "--ckpt-format torch (or leave it out)")
+    if cfg.args is not None:
+        from megatron.app import megatron_lm
+
+        problems.extend(megatron_lm.refusals(cfg.args))
+    return problems
+
+
+
+def _runs_on_cuda(cfg: RunConfig) -> bool:
+    import torch
+
+    device = cfg.training.device
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())

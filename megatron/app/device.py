@@ -102,6 +102,26 @@ def _cpu_rng_tracker(seed: int, tp_rank: int):
     return tracker
 
 
+def _cpu_recompute_rng_states() -> None:
+    """Replaces `_get_cuda_rng_state` / `_set_cuda_rng_state` of
+    `megatron.core.tensor_parallel.random` (which read and write the CUDA generator) where
+    `_get_all_rng_states` / `_set_all_rng_states` call them: activation recomputation
+    (`CheckpointFunction`, `--recompute-granularity`) saves every RNG state before the first
+    forward and restores it for the recomputed one. On CPU there is no CUDA generator; the CPU
+    generator and the tracker's named streams, which those functions save as well, are all there is."""
+    from megatron.core.tensor_parallel import random as mc_random
+
+    def no_cuda_state(*args, **kwargs):
+        return None
+
+    def restore(state, *args, **kwargs):
+        if state is not None:
+            raise RuntimeError("a CUDA RNG state reached the CPU backend's recomputation")
+
+    mc_random._get_cuda_rng_state = no_cuda_state
+    mc_random._set_cuda_rng_state = restore
+
+
 @contextlib.contextmanager
 def _tied_embedding_copy_stays_on_cpu() -> Iterator[None]:
     """Replaces the `weight.data = weight.data.cuda()` in
@@ -205,6 +225,7 @@ def run_megatron_core_on_cpu(seed: int) -> None:
     parallel_state._GLOBAL_MEMORY_BUFFER = _cpu_global_memory_buffer()
     _cpu_rng_tracker(seed, parallel_state.get_tensor_model_parallel_rank())
     use_megatron_core_schedules_on_cpu()
+    _cpu_recompute_rng_states()
     original = LanguageModule.setup_embeddings_and_output_layer
     if not getattr(original, "__cpu_stand_in__", False):
         def setup_embeddings_and_output_layer(self, *args, **kwargs):
@@ -326,6 +347,7 @@ class CPUBackend(DeviceBackend):
         super().init_model_parallel(tp, pp, vpp, seed, initialize)
         parallel_state._GLOBAL_MEMORY_BUFFER = _cpu_global_memory_buffer()
         use_megatron_core_schedules_on_cpu()
+        _cpu_recompute_rng_states()
 
     def _seed(self, seed: int) -> None:
         from megatron.core import parallel_state
@@ -368,6 +390,8 @@ class CPUBackend(DeviceBackend):
                 if not param.requires_grad:
                     continue
                 (params_no_decay if param.ndim == 1 or name.endswith(".bias") else params_decay).append(param)
+        if cfg.fp16:
+            return Fp16Optimizer(chunks, params_decay, params_no_decay, cfg)
         groups = [
             {"params": params_decay, "weight_decay": cfg.weight_decay},
             {"params": params_no_decay, "weight_decay": 0.0},
@@ -411,7 +435,8 @@ class CUDABackend(DeviceBackend):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=bool(cfg is not None and cfg.optimizer.use_distributed_optimizer),
         )
         wrapped = []
         for index, chunk in enumerate(chunks):
@@ -456,8 +481,14 @@ class CUDABackend(DeviceBackend):
             adam_eps=cfg.adam_eps,
             clip_grad=cfg.clip_grad,
             bf16=cfg.bf16,
-            params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
-            use_distributed_optimizer=False,
+            fp16=cfg.fp16,
+            params_dtype=torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32,
+            loss_scale=cfg.loss_scale,
+            initial_loss_scale=cfg.initial_loss_scale,
+            min_loss_scale=cfg.min_loss_scale,
+            loss_scale_window=cfg.loss_scale_window,
+            hysteresis=cfg.hysteresis,
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
         )
         return MegatronOptimizer(get_megatron_optimizer(opt_config, list(chunks)))
 
@@ -536,11 +567,126 @@ class TorchOptimizer:
         self.optimizer.load_state_dict(state)
 
 
+class LossScaler:
+    """The loss scale of --fp16. Fixed with --loss-scale; otherwise dynamic: it halves once
+    --hysteresis overflowing steps have been seen since it last changed (never below
+    --min-loss-scale) and doubles after --loss-scale-window steps in a row without overflow."""
+
+    def __init__(self, cfg) -> None:
+        self.dynamic = cfg.loss_scale is None
+        self.scale = float(cfg.loss_scale if cfg.loss_scale is not None else cfg.initial_loss_scale)
+        self.min_scale, self.window, self.hysteresis = float(cfg.min_loss_scale), cfg.loss_scale_window, cfg.hysteresis
+        self.good_steps = 0
+        self.overflows_left = self.hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        if not self.dynamic:
+            return
+        if found_inf:
+            self.good_steps = 0
+            self.overflows_left -= 1
+            if self.overflows_left <= 0:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+        else:
+            self.good_steps += 1
+            if self.good_steps == self.window:
+                self.good_steps = 0
+                self.overflows_left = self.hysteresis
+                self.scale *= 2.0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps, "overflows_left": self.overflows_left}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.good_steps, self.overflows_left = state["scale"], state["good_steps"], state["overflows_left"]
+
+
+class Fp16Optimizer:
+    """--fp16 on the CPU backend: the model computes in fp16; AdamW steps fp32 master copies of its
+    parameters. The loss is multiplied by the loss scale before backward (`scale_loss`, which the
+    executors call); `step` divides the gradients by it into the masters, skips the step when any
+    rank saw an inf or NaN (and lowers the scale), else clips over the model-parallel group, steps,
+    and copies the masters back into the fp16 parameters."""
+
+    def __init__(self, chunks, params_decay, params_no_decay, cfg) -> None:
+        self.chunks = list(chunks)
+        self.clip_grad = cfg.clip_grad
+        self.scaler = LossScaler(cfg)
+        self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        groups = []
+        for params, decay in ((params_decay, cfg.weight_decay), (params_no_decay, 0.0)):
+            masters = []
+            for param in params:
+                master = torch.nn.Parameter(param.detach().float().clone())
+                self.pairs.append((param, master))
+                masters.append(master)
+            groups.append({"params": masters, "weight_decay": decay})
+        self.master_of = {id(p): m for p, m in self.pairs}
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                           eps=cfg.adam_eps)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale
+
+    def step(self) -> tuple[bool, float]:
+        inverse = 1.0 / self.scaler.scale
+        found_inf = torch.zeros(1)
+        for param, master in self.pairs:
+            grad = param.grad.float() * inverse if param.grad is not None else torch.zeros_like(master)
+            master.grad = grad
+            if not torch.isfinite(grad).all():
+                found_inf.fill_(1.0)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)  # every rank skips the same steps
+        overflow = bool(found_inf.item())
+        self.scaler.update(overflow)
+        if overflow:
+            return False, float("nan")
+        grad_norm = model_parallel_grad_norm(self.chunks, lambda p: self.master_of[id(p)].grad
+                                             if id(p) in self.master_of else None)
+        if self.clip_grad > 0 and grad_norm > self.clip_grad:
+            factor = self.clip_grad / (grad_norm + 1e-6)
+            for _, master in self.pairs:
+                master.grad.mul_(factor)
+        self.optimizer.step()
+        with torch.no_grad():
+            for param, master in self.pairs:
+                param.copy_(master)
+        return True, grad_norm
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "masters": [m.detach().clone() for _, m in self.pairs],
+                "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for (param, master), saved in zip(self.pairs, state["masters"]):
+                master.copy_(saved)
+                param.copy_(saved)
+        self.scaler.load_state_dict(state["scaler"])
+
+
 class MegatronOptimizer:
     """megatron-core's optimizer (mixed precision, clipping, grad-norm) behind the same interface."""
 
     def __init__(self, optimizer) -> None:
         self.optimizer = optimizer
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.optimizer.get_loss_scale())
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.optimizer.scale_loss(loss)
 
     @property
     def param_groups(self):
@@ -557,10 +703,11 @@ class MegatronOptimizer:
         self.optimizer.load_state_dict(state)
 
 
-def model_parallel_grad_norm(chunks: Sequence[torch.nn.Module]) -> float:
+def model_parallel_grad_norm(chunks: Sequence[torch.nn.Module],
+                             grad_of: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None) -> float:
     """L2 norm of the full model's gradient, each parameter counted once: parameters that
     tensor parallelism replicates count on TP rank 0 only, the tied output weight on the
-    first stage only."""
+    first stage only. `grad_of(param)` supplies the gradient to use (default `param.grad`)."""
     from megatron.core import parallel_state
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -568,7 +715,8 @@ def model_parallel_grad_norm(chunks: Sequence[torch.nn.Module]) -> float:
     for chunk in chunks:
         module = unwrap_model(chunk)
         for param in chunk.parameters():
-            if param.grad is None:
+            grad = param.grad if grad_of is None else grad_of(param)
+            if grad is None:
                 continue
             replicated = not getattr(param, "tensor_model_parallel", False)
             if replicated and tp_rank != 0:
@@ -580,7 +728,7 @@ def model_parallel_grad_norm(chunks: Sequence[torch.nn.Module]) -> float:
             )
             if is_tied_copy:
                 continue
-            total += param.grad.detach().double().pow(2).sum()
+            total += grad.detach().double().pow(2).sum()
     group = parallel_state.get_model_parallel_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)

@@ -68,6 +68,8 @@ class PipelineExecutor:
         self.chunks = list(chunks)
         self.stage = stage
         self.transport = transport or TorchDistributedTransport()
+        # --fp16: multiplies the last stage's loss by the loss scale before its backward.
+        self.grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.handlers: dict[TaskKind, Callable[[Task, Callable[[int], Microbatch], bool], None]] = {
             TaskKind.FORWARD: self._forward,
             TaskKind.BACKWARD: self._backward,
@@ -184,6 +186,8 @@ class PipelineExecutor:
     def _backward(self, task: Task, get_microbatch: Callable[[int], Microbatch], forward_only: bool) -> None:
         stage_input, output = self._stored.pop((task.chunk, task.microbatch))
         grad_output = self._receive(task)
+        if grad_output is None and self.grad_scale_func is not None:
+            output = self.grad_scale_func(output)
         with get_observer().span("backward", chunk=task.chunk, microbatch=task.microbatch):
             torch.autograd.backward(output, grad_tensors=grad_output)
         if stage_input is not None:

@@ -34,6 +34,7 @@ class MetricsLogger:
         self.elapsed = 0.0
         self.count = 0
         self.history: list[tuple[int, float]] = []  # (iteration, lm loss) on the logging rank
+        self.flops_per_iteration = model_flops_per_iteration(ctx.cfg) if ctx.cfg.logging.log_throughput else None
         self.writer = None
         if ctx.cfg.logging.tensorboard_dir and ctx.is_logging_rank:
             from torch.utils.tensorboard import SummaryWriter
@@ -52,13 +53,19 @@ class MetricsLogger:
         if self.ctx.is_logging_rank:
             t = self.ctx.cfg.training
             per_iter_ms = self.elapsed / self.count * 1e3
+            throughput = ""
+            if self.flops_per_iteration is not None:
+                ranks = self.ctx.cfg.parallel.world_size
+                tflops = self.flops_per_iteration / (per_iter_ms / 1e3) / ranks / 1e12
+                throughput = f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
+            scale = f" loss scale: {metrics['loss scale']:.1f} |" if metrics.get("loss scale") is not None else ""
             line = (
                 f" iteration {iteration:8d}/{t.train_iters:8d} |"
                 f" consumed samples: {self.ctx.consumed_samples:12d} |"
-                f" elapsed time per iteration (ms): {per_iter_ms:.1f} |"
+                f" elapsed time per iteration (ms): {per_iter_ms:.1f} |{throughput}"
                 f" learning rate: {metrics['learning rate']:.6E} |"
                 f" global batch size: {t.global_batch_size:5d} |"
-                f" lm loss: {loss:.6E} |"
+                f" lm loss: {loss:.6E} |{scale}"
                 f" grad norm: {metrics['grad norm']:.3f} |"
                 f" number of skipped iterations: {0 if metrics['updated'] else 1:3d} |"
             )
@@ -86,3 +93,21 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def model_flops_per_iteration(cfg) -> float:
+    """Model FLOPs of one training iteration (forward + backward = 3x the forward's matrix
+    multiplies; recomputation is not counted): per token and layer the QKV, attention score and
+    context, output projection and MLP (gated with SwiGLU) products, then the logits."""
+    m, t = cfg.model, cfg.training
+    h, s, heads = m.hidden_size, m.seq_length, m.num_attention_heads
+    head_dim = m.kv_channels or h // heads
+    query, kv = heads * head_dim, (m.num_query_groups or heads) * head_dim
+    ffn = m.ffn_hidden_size or 4 * h
+    per_layer = (2 * h * (query + 2 * kv)            # QKV projection
+                 + 2 * 2 * s * query                 # scores and context, over the whole sequence
+                 + 2 * query * h                     # output projection
+                 + 2 * h * ffn * (2 if m.swiglu else 1) + 2 * ffn * h)  # MLP
+    per_token = m.num_layers * per_layer + 2 * h * m.padded_vocab_size
+    return 3.0 * per_token * s * t.global_batch_size
+

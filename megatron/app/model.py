@@ -21,7 +21,9 @@ _LOCAL_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, num_chunks: int):
     from megatron.core.transformer import TransformerConfig
 
-    dtype = torch.bfloat16 if model.bf16 else torch.float32
+    import torch.nn.functional as F
+
+    dtype = model.params_dtype
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -38,10 +40,21 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, num_chunks:
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        gated_linear_unit=model.swiglu,
+        activation_func=F.silu if model.swiglu else F.gelu,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        add_bias_linear=model.add_bias_linear,
+        recompute_granularity=model.recompute_granularity,
+        recompute_method=model.recompute_method,
+        recompute_num_layers=model.recompute_num_layers,
         use_cpu_initialization=True,
         # megatron-core only tags TP-partitioned weights when it initialises them, so it does;
         # init_parallel_invariant then overwrites the values.
         bf16=model.bf16,
+        fp16=model.fp16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bias_dropout_fusion=False,
@@ -58,10 +71,9 @@ def build_model_chunks(model_cfg: ModelConfig, parallel: ParallelConfig, num_chu
     """One GPTModel per virtual pipeline stage held by this rank (a single one without vpp)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(model_cfg, parallel, num_chunks)
-    spec = get_gpt_layer_local_spec()
+    spec = layer_spec(model_cfg)
     chunks = []
     for vp_stage in range(num_chunks):
         vp = vp_stage if num_chunks > 1 else None
@@ -69,22 +81,38 @@ def build_model_chunks(model_cfg: ModelConfig, parallel: ParallelConfig, num_chu
             chunk = GPTModel(
                 config=config,
                 transformer_layer_spec=spec,
-                vocab_size=model_cfg.padded_vocab_size,
-                max_sequence_length=model_cfg.max_position_embeddings,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-                share_embeddings_and_output_weights=not model_cfg.untie_embeddings_and_output_weights,
-                position_embedding_type=model_cfg.position_embedding_type,
                 vp_stage=vp,
+                **gpt_model_kwargs(model_cfg),
             )
         init_parallel_invariant(chunk, seed, model_cfg)
-        if model_cfg.bf16:
+        if model_cfg.bf16 or model_cfg.fp16:
             from megatron.core.transformer.module import Float16Module
 
             # Casts the parameters to bf16 and the first stage's inputs / last stage's outputs.
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
     return chunks
+
+
+def layer_spec(model_cfg: ModelConfig):
+    """megatron-core's local (no Transformer Engine) transformer layer, with RMSNorm when asked."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(normalization=model_cfg.normalization)
+
+
+def gpt_model_kwargs(model_cfg: ModelConfig) -> dict:
+    """The GPTModel arguments that come from the model config (besides config, spec and stage)."""
+    return dict(
+        vocab_size=model_cfg.padded_vocab_size,
+        max_sequence_length=model_cfg.max_position_embeddings,
+        share_embeddings_and_output_weights=not model_cfg.untie_embeddings_and_output_weights,
+        position_embedding_type=model_cfg.position_embedding_type,
+        rotary_base=model_cfg.rotary_base,
+        rotary_percent=model_cfg.rotary_percent,
+    )
 
 
 def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -134,8 +162,17 @@ def init_parallel_invariant(chunk: torch.nn.Module, seed: int, cfg: ModelConfig)
             full_shape[param.partition_dim] *= tp_size
         value = _initial_value(name, torch.Size(full_shape), seed, cfg)
         if partitioned:
-            value = value.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+            value = tp_shard(name, value, param.partition_dim, tp_size, tp_rank, cfg)
         param.copy_(value.to(param.dtype))
+
+
+def tp_shard(name: str, full: torch.Tensor, dim: int, tp_size: int, tp_rank: int, cfg: ModelConfig) -> torch.Tensor:
+    """This TP rank's part of a parameter given in full (unpartitioned layout). With SwiGLU the
+    first MLP projection holds [gate; up] and each TP rank holds [its gate rows; its up rows]."""
+    if cfg.swiglu and name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")) and dim == 0:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]], dim=0)
+    return full.chunk(tp_size, dim=dim)[tp_rank]
 
 
 def count_parameters(chunks: list[torch.nn.Module]) -> int:

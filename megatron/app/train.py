@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.app import checkpoint as ckpt
+from megatron.app import megatron_lm
 from megatron.app.arguments import build_parser, config_from_args
 from megatron.app.config import ConfigError, RunConfig, validate
 from megatron.app.data import DataError
@@ -23,7 +24,7 @@ from megatron.app.device import DeviceBackend, DeviceError, build_backend, enabl
 from megatron.app.executor import PipelineExecutor, StageContext
 from megatron.app.logs import MetricsLogger, print_rank_0
 from megatron.app.mcore_schedule import MegatronCoreSchedule
-from megatron.app.model import build_model_chunks, count_parameters
+from megatron.app.model import build_model_chunks, count_parameters, unwrap_model
 from megatron.app.observer import span
 from megatron.app.plugins import Plugin, PluginSet, available_plugins
 from megatron.app.schedule import PipelineLayout, build_schedule
@@ -144,10 +145,16 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
         pp_rank=ctx.pp_rank,
         pp_global_ranks=dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()),
         activation_shape=(cfg.model.seq_length, cfg.training.micro_batch_size, cfg.model.hidden_size),
-        dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
+        dtype=cfg.model.params_dtype,
         device=backend.device,
     )
     ctx.executor = plugins.first("make_executor", ctx) or default_executor(ctx)
+    if cfg.model.fp16:
+        # Both executors scale the last stage's loss before backward: ours through the executor,
+        # megatron-core's schedule through the model config, as Megatron-LM sets it.
+        ctx.executor.grad_scale_func = ctx.optimizer.scale_loss
+        for chunk in ctx.chunks:
+            unwrap_model(chunk).config.grad_scale_func = ctx.optimizer.scale_loss
     ctx.step_runner = plugins.first("make_step_runner", ctx) or train_step
     ctx.evaluator = plugins.first("make_evaluator", ctx) or evaluate
     plugins.call("setup", ctx)
@@ -171,7 +178,8 @@ def train_step(ctx: TrainContext, plugins: PluginSet) -> dict[str, Any]:
     result = ctx.executor.run(ctx.schedule, lambda mb: ctx.data.train_microbatch(iteration, mb))
     updated, grad_norm = sync_grads_and_step(ctx, plugins, iteration)
     return {"lm loss": result.mean_loss, "grad norm": grad_norm, "learning rate": lr,
-            "updated": updated, "num_tokens": result.num_tokens}
+            "updated": updated, "num_tokens": result.num_tokens,
+            "loss scale": ctx.optimizer.loss_scale if ctx.cfg.model.fp16 else None}
 
 
 def set_learning_rate(ctx: TrainContext) -> float:
@@ -215,6 +223,12 @@ def evaluate(ctx: TrainContext, iteration: int) -> float | None:
 def train(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
     ctx = setup(cfg, plugins)
     t = cfg.training
+    unused = megatron_lm.not_used(cfg.args)
+    if cfg.optimizer.use_distributed_optimizer and ctx.backend.name == "cpu":
+        unused.append("--use-distributed-optimizer (the CPU backend keeps the whole optimizer state on every "
+                      "data-parallel rank)")
+    if unused:
+        print_rank_0("Megatron-LM flags accepted but not used on this device:\n  " + "\n  ".join(unused))
     logger = MetricsLogger(ctx)
     print_rank_0(
         f"training: {t.train_iters} iterations, global batch {t.global_batch_size}, "
@@ -224,6 +238,7 @@ def train(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
         f"schedule {schedule_name(ctx)}, "
         f"device {ctx.backend.name}, plugins {plugins.names or 'none'}"
     )
+    training_started = time.monotonic()
     while ctx.iteration < t.train_iters:
         plugins.call("before_iteration", ctx, ctx.iteration)
         started = time.perf_counter()
@@ -238,14 +253,27 @@ def train(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
             logger.validation(ctx.iteration, ctx.evaluator(ctx, ctx.iteration))
         c = cfg.checkpoint
         should_exit = bool(t.exit_interval and ctx.iteration % t.exit_interval == 0)
+        reason = f"--exit-interval {t.exit_interval}"
+        if t.exit_duration_in_mins is not None and not should_exit:
+            should_exit = _all_ranks_agree_time_is_up(ctx, training_started, t.exit_duration_in_mins)
+            reason = f"--exit-duration-in-mins {t.exit_duration_in_mins:g}"
         if c.save and ((c.save_interval and ctx.iteration % c.save_interval == 0)
                        or ctx.iteration == t.train_iters or should_exit):
             save(ctx)
         if should_exit:
-            print_rank_0(f"exiting at iteration {ctx.iteration} (--exit-interval {t.exit_interval})")
+            print_rank_0(f"exiting at iteration {ctx.iteration} ({reason})")
             break
     logger.close()
     return ctx
+
+
+def _all_ranks_agree_time_is_up(ctx: TrainContext, started: float, minutes: float) -> bool:
+    """Whether any rank has trained for `minutes`; every rank learns it in the same iteration, so
+    they stop together."""
+    flag = torch.tensor([1 if time.monotonic() - started >= minutes * 60 else 0], dtype=torch.int32,
+                        device=ctx.backend.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def save(ctx: TrainContext) -> None:
@@ -258,6 +286,10 @@ def save(ctx: TrainContext) -> None:
 
 
 def parse(argv: Sequence[str] | None = None) -> tuple[RunConfig, PluginSet]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    refused = megatron_lm.refused_prefixes(argv)
+    if refused:
+        raise ConfigError("this trainer does not do what these flags ask for:\n  " + "\n  ".join(refused))
     candidates = available_plugins()
     parser = build_parser(candidates)
     args = parser.parse_args(argv)
@@ -265,6 +297,11 @@ def parse(argv: Sequence[str] | None = None) -> tuple[RunConfig, PluginSet]:
     plugins = PluginSet([p for p in candidates if p.enabled(args)])
     plugins.call("configure_layout", cfg)
     validate(cfg)
+    if cfg.model.fp16:
+        for plugin in plugins.plugins:
+            if getattr(type(plugin), "make_step_runner") is not getattr(Plugin, "make_step_runner"):
+                raise ConfigError(f"--fp16 cannot run with the {plugin.name} plugin, which runs its own training "
+                                  "step without loss scaling; use --bf16 or drop that plugin's flag")
     if cfg.training.pipeline_schedule == MegatronCoreSchedule.schedule_name:
         # megatron-core's schedule drives the whole iteration; a plugin that replaces the
         # executor, the transport or the step would be silently bypassed.

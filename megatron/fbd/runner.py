@@ -127,7 +127,7 @@ class _StepBase:
         cfg = ctx.cfg
         self.num_microbatches = cfg.num_microbatches
         self.activation_shape = (cfg.model.seq_length, cfg.training.micro_batch_size, cfg.model.hidden_size)
-        self.dtype = torch.bfloat16 if cfg.model.bf16 else torch.float32
+        self.dtype = cfg.model.params_dtype
         self.device = ctx.backend.device
         self.is_last = me.stage == layout.pp - 1
         self.pending: list = []

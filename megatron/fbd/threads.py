@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.app.model import transformer_config, unwrap_model
+from megatron.app.model import gpt_model_kwargs, layer_spec, transformer_config, unwrap_model
 from megatron.fbd.coordinator import CommunicationCoordinator
 from megatron.fbd.layout import FBDLayout, Instance
 from megatron.fbd.runner import SCHEDULE_NAME, ForwardStep, load_chunk_weights
@@ -101,7 +101,6 @@ class ForwardHost:
         overwritten by the backward instance's weights before the first forward anyway."""
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         cfg, saved = self.ctx.cfg, parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK
@@ -112,15 +111,13 @@ class ForwardHost:
         try:
             with self.ctx.backend.model_construction():
                 chunk = GPTModel(
-                    config=transformer_config(m, cfg.parallel, 1), transformer_layer_spec=get_gpt_layer_local_spec(),
-                    vocab_size=m.padded_vocab_size, max_sequence_length=m.max_position_embeddings,
-                    pre_process=stage == 0, post_process=stage == self.layout.pp - 1,
-                    share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
-                    position_embedding_type=m.position_embedding_type, pg_collection=groups,
+                    config=transformer_config(m, cfg.parallel, 1), transformer_layer_spec=layer_spec(m),
+                    pre_process=stage == 0, post_process=stage == self.layout.pp - 1, pg_collection=groups,
+                    **gpt_model_kwargs(m),
                 )
         finally:
             parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK = saved
-        if m.bf16:
+        if m.bf16 or m.fp16:
             from megatron.core.transformer.module import Float16Module
 
             chunk = Float16Module(chunk.config, chunk)

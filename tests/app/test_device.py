@@ -36,6 +36,10 @@ SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "torch.cuda.synchronize()", "_CUDAOnCPU.synchronize"),
         ("megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator._communicate_shapes",
          "device=torch.cuda.current_device()", "_CUDAOnCPU.current_device"),
+        ("megatron.core.tensor_parallel.random:_get_all_rng_states", "_get_cuda_rng_state(", "_cpu_recompute_rng_states"),
+        ("megatron.core.tensor_parallel.random:_set_all_rng_states", "_set_cuda_rng_state(", "_cpu_recompute_rng_states"),
+        ("megatron.core.tensor_parallel.random:CheckpointFunction.forward", "_get_all_rng_states()",
+         "_cpu_recompute_rng_states"),
         # Why the trainer always passes an explicit causal mask:
         ("megatron.core.transformer.utils:get_default_causal_mask", 'device="cuda"', "TrainingData._prepare"),
     ],
