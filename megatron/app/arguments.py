@@ -63,6 +63,11 @@ def build_parser(plugins: Sequence = ()) -> argparse.ArgumentParser:
     g.add_argument("--num-query-groups", type=int, default=None, help="key/value heads with --group-query-attention")
     g.add_argument("--kv-channels", type=int, default=None, help="per-head dimension (default hidden / heads)")
     g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers, as in Llama")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="weigh every token of the global batch equally: gradients of the summed token losses "
+                        "divided by the global batch's token count (default: each microbatch's mean, averaged)")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="norm weights stored as gamma - 1 (start at 0, applied as 1 + weight)")
 
     g = parser.add_argument_group("mixed precision")
     g.add_argument("--fp16", action="store_true",
@@ -110,6 +115,10 @@ def build_parser(plugins: Sequence = ()) -> argparse.ArgumentParser:
     g.add_argument("--lr-warmup-samples", type=int, default=None, help="warmup in samples")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="decay steps (default --train-iters)")
     g.add_argument("--lr-decay-samples", type=int, default=None, help="decay in samples")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="peak learning rate of the embedding and output layer (same warmup and decay shape)")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="final learning rate of the embedding and output layer (default --min-lr)")
     g.add_argument("--optimizer", choices=["adam"], default="adam",
                    help="adam (AdamW with --weight-decay); the only optimizer here")
     g.add_argument("--use-distributed-optimizer", action="store_true",
@@ -135,7 +144,8 @@ def build_parser(plugins: Sequence = ()) -> argparse.ArgumentParser:
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr", "fsdp_dtensor"], default="torch",
-                   help="torch: per-rank torch files (the only format written here; the others are refused)")
+                   help="torch: per-rank torch files, the only format written here (others are reported "
+                        "at start-up and written as torch)")
 
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1)
@@ -189,6 +199,8 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
             num_query_groups=args.num_query_groups if args.group_query_attention else None,
             kv_channels=args.kv_channels,
             add_bias_linear=not args.disable_bias_linear,
+            apply_layernorm_1p=args.apply_layernorm_1p,
+            calculate_per_token_loss=args.calculate_per_token_loss,
             recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
             recompute_method=args.recompute_method,
             recompute_num_layers=args.recompute_num_layers,
@@ -212,6 +224,8 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
             loss_scale_window=args.loss_scale_window,
             hysteresis=args.hysteresis,
             use_distributed_optimizer=args.use_distributed_optimizer,
+            decoupled_lr=args.decoupled_lr,
+            decoupled_min_lr=args.decoupled_min_lr,
         ),
         training=TrainingConfig(
             micro_batch_size=args.micro_batch_size,

@@ -61,6 +61,10 @@ class ModelConfig:
     num_query_groups: int | None = None
     kv_channels: int | None = None
     add_bias_linear: bool = True
+    apply_layernorm_1p: bool = False  # norm weights stored as gamma - 1 (zero-centred)
+    # --calculate-per-token-loss: gradients of the loss summed over every token of the global
+    # batch, divided by the global batch's token count (instead of a mean per microbatch)
+    calculate_per_token_loss: bool = False
     # Activation recomputation (--recompute-granularity/-method/-num-layers)
     recompute_granularity: str | None = None
     recompute_method: str | None = None
@@ -100,6 +104,9 @@ class OptimizerConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     use_distributed_optimizer: bool = False
+    # --decoupled-lr / --decoupled-min-lr: the embedding and output layer's own peak and final LR
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -282,9 +289,6 @@ def _llama_and_precision_problems(cfg: RunConfig) -> list[str]:
     if o.use_distributed_optimizer and _runs_on_cuda(cfg) and (cfg.checkpoint.save or cfg.checkpoint.load):
         problems.append("--use-distributed-optimizer with --save/--load: checkpoints of the sharded optimizer "
                         "state are not written by this trainer yet; drop --use-distributed-optimizer to checkpoint")
-    if getattr(cfg.args, "ckpt_format", "torch") != "torch":
-        problems.append(f"--ckpt-format {cfg.args.ckpt_format}: checkpoints here are per-rank torch files; use "
-                        "--ckpt-format torch (or leave it out)")
     if cfg.args is not None:
         from megatron.app import megatron_lm
 

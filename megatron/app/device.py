@@ -194,16 +194,23 @@ def _cpu_for_cuda(device):
     return torch.device("cpu") if torch.device(device).type == "cuda" else device
 
 
-SCHEDULE_MODULES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel.p2p_communication")
+# Modules that see `_TorchOnCPU` as their `torch` on the CPU backend.
+CPU_TORCH_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    # RotaryEmbedding.get_emb moves its inverse frequencies to torch.cuda.current_device() at the
+    # first forward (--position-embedding-type rope).
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+)
 
 
 def use_megatron_core_schedules_on_cpu() -> None:
     """Let `megatron.core.pipeline_parallel.get_forward_backward_func()` (no pipelining, 1F1B,
-    interleaved) run on the CPU backend: the schedule and P2P modules see `_TorchOnCPU` as their
-    `torch`. Only those two modules' globals change; idempotent."""
+    interleaved) and RoPE run on the CPU backend: the schedule, P2P and rotary-embedding modules see
+    `_TorchOnCPU` as their `torch`. Only those modules' globals change; idempotent."""
     import importlib
 
-    for name in SCHEDULE_MODULES:
+    for name in CPU_TORCH_MODULES:
         module = importlib.import_module(name)
         if not isinstance(module.torch, _TorchOnCPU):
             module.torch = _TorchOnCPU()
@@ -321,6 +328,13 @@ class DeviceBackend:
     def build_optimizer(self, chunks: Sequence[torch.nn.Module], cfg):
         raise NotImplementedError
 
+    def scale_grads(self, chunks: Sequence[torch.nn.Module], factor: float) -> None:
+        """Multiply every gradient (after the data-parallel sync) by `factor`."""
+        for chunk in chunks:
+            for param in chunk.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(factor)
+
     # --- clocks ---------------------------------------------------------------------
     def clock_start(self) -> Clock:
         return Clock(start=time.perf_counter())
@@ -384,18 +398,9 @@ class CPUBackend(DeviceBackend):
         _all_reduce_tied_embedding_grads(chunks)
 
     def build_optimizer(self, chunks, cfg):
-        params_decay, params_no_decay = [], []
-        for chunk in chunks:
-            for name, param in chunk.named_parameters():
-                if not param.requires_grad:
-                    continue
-                (params_no_decay if param.ndim == 1 or name.endswith(".bias") else params_decay).append(param)
+        groups = parameter_groups(chunks, cfg)
         if cfg.fp16:
-            return Fp16Optimizer(chunks, params_decay, params_no_decay, cfg)
-        groups = [
-            {"params": params_decay, "weight_decay": cfg.weight_decay},
-            {"params": params_no_decay, "weight_decay": 0.0},
-        ]
+            return Fp16Optimizer(chunks, groups, cfg)
         return TorchOptimizer(
             torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps),
             chunks,
@@ -468,6 +473,10 @@ class CUDABackend(DeviceBackend):
 
         finalize_model_grads(list(chunks))
 
+    def scale_grads(self, chunks, factor):
+        for chunk in chunks:
+            chunk.scale_gradients(factor)  # the DDP buffers hold the gradients (main_grad)
+
     def build_optimizer(self, chunks, cfg):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -489,6 +498,8 @@ class CUDABackend(DeviceBackend):
             loss_scale_window=cfg.loss_scale_window,
             hysteresis=cfg.hysteresis,
             use_distributed_optimizer=cfg.use_distributed_optimizer,
+            decoupled_lr=cfg.decoupled_lr,
+            decoupled_min_lr=cfg.decoupled_min_lr,
         )
         return MegatronOptimizer(get_megatron_optimizer(opt_config, list(chunks)))
 
@@ -535,6 +546,21 @@ def _all_reduce_tied_embedding_grads(chunks: Sequence[torch.nn.Module]) -> None:
 # --------------------------------------------------------------------------------------
 # Optimizers: one small interface over torch.optim (CPU) and megatron-core's optimizer (CUDA)
 # --------------------------------------------------------------------------------------
+
+
+def parameter_groups(chunks, cfg) -> list[dict]:
+    """AdamW groups: weight decay except on biases and norms; with --decoupled-lr the embedding
+    and output layer in groups of their own (marked "decoupled")."""
+    groups: dict[tuple[bool, bool], list] = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad:
+                continue
+            decay = not (param.ndim == 1 or name.endswith(".bias"))
+            decoupled = cfg.decoupled_lr is not None and getattr(param, "is_embedding_or_output_parameter", False)
+            groups.setdefault((decay, decoupled), []).append(param)
+    return [{"params": params, "weight_decay": cfg.weight_decay if decay else 0.0, "decoupled": decoupled}
+            for (decay, decoupled), params in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
 
 
 class TorchOptimizer:
@@ -608,19 +634,19 @@ class Fp16Optimizer:
     rank saw an inf or NaN (and lowers the scale), else clips over the model-parallel group, steps,
     and copies the masters back into the fp16 parameters."""
 
-    def __init__(self, chunks, params_decay, params_no_decay, cfg) -> None:
+    def __init__(self, chunks, model_groups: list[dict], cfg) -> None:
         self.chunks = list(chunks)
         self.clip_grad = cfg.clip_grad
         self.scaler = LossScaler(cfg)
         self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
         groups = []
-        for params, decay in ((params_decay, cfg.weight_decay), (params_no_decay, 0.0)):
+        for group in model_groups:
             masters = []
-            for param in params:
+            for param in group["params"]:
                 master = torch.nn.Parameter(param.detach().float().clone())
                 self.pairs.append((param, master))
                 masters.append(master)
-            groups.append({"params": masters, "weight_decay": decay})
+            groups.append({**group, "params": masters})
         self.master_of = {id(p): m for p, m in self.pairs}
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                            eps=cfg.adam_eps)

@@ -70,6 +70,7 @@ class PipelineExecutor:
         self.transport = transport or TorchDistributedTransport()
         # --fp16: multiplies the last stage's loss by the loss scale before its backward.
         self.grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.per_token_loss = False  # --calculate-per-token-loss
         self.handlers: dict[TaskKind, Callable[[Task, Callable[[int], Microbatch], bool], None]] = {
             TaskKind.FORWARD: self._forward,
             TaskKind.BACKWARD: self._backward,
@@ -177,7 +178,10 @@ class PipelineExecutor:
                 loss, tokens = microbatch_loss(output, batch)
                 self._result.losses.append(float(loss.detach()))
                 self._result.num_tokens += tokens
-                output = loss / self.stage.layout.num_microbatches
+                if self.per_token_loss:  # summed; the trainer divides by the global batch's tokens
+                    output = (output.float() * batch["loss_mask"]).sum()
+                else:
+                    output = loss / self.stage.layout.num_microbatches
             else:
                 self._outbox[task] = output.detach()
         if not forward_only:

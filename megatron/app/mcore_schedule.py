@@ -18,6 +18,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from megatron.app.executor import IterationResult, Microbatch, StageContext, microbatch_loss
+from megatron.app.model import unwrap_model
 from megatron.app.observer import NullObserver, get_observer
 
 
@@ -38,6 +39,7 @@ class MegatronCoreSchedule:
         layout = self.stage.layout
         seq, micro_batch, _ = self.stage.activation_shape
         result = IterationResult()
+        per_token = unwrap_model(self.chunks[0]).config.calculate_per_token_loss
 
         def forward_step(data_iterator: Iterator[Microbatch], model):
             batch = next(data_iterator)
@@ -47,6 +49,10 @@ class MegatronCoreSchedule:
                 loss, tokens = microbatch_loss(per_token_loss, batch)
                 result.losses.append(float(loss.detach()))
                 result.num_tokens += tokens
+                if per_token:
+                    # the sum and its token count; the trainer divides by the global batch's tokens
+                    total = (per_token_loss.float() * batch["loss_mask"]).sum()
+                    return total, torch.tensor(tokens, dtype=torch.int), {"lm loss": loss.detach().clone()}
                 # megatron-core divides the returned loss by the microbatch count (in place)
                 return loss, {"lm loss": loss.detach().clone()}
 

@@ -76,6 +76,9 @@ NOT_USED: tuple[Flag, ...] = (
     Flag("--use-pytorch-profiler", "PyTorch profiler; use MegaScan's --trace"),
     Flag("--tiktoken-pattern", "TikToken split pattern", _value()),
     Flag("--attention-softmax-in-fp32", "the local attention's softmax already runs in float32"),
+    Flag("--wandb-project", "Weights & Biases logging is not wired in; use --tensorboard-dir", _value()),
+    Flag("--wandb-exp-name", "see --wandb-project", _value()),
+    Flag("--wandb-save-dir", "see --wandb-project", _value()),
 )
 
 REFUSED: tuple[Flag, ...] = (
@@ -90,13 +93,6 @@ REFUSED: tuple[Flag, ...] = (
          "the --moe-* flags", _value(type=int)),
     Flag("--use-torch-fsdp2", "FSDP2 is not supported; use data parallelism (the default) with TP/PP"),
     Flag("--use-custom-fsdp", "megatron-core FSDP is not supported; use data parallelism with TP/PP"),
-    Flag("--apply-layernorm-1p", "zero-centred LayerNorm weights need Transformer Engine or Apex norms; drop "
-         "--apply-layernorm-1p (the model is then a standard LayerNorm/RMSNorm one)"),
-    Flag("--decoupled-lr", "a separate learning rate for the embedding and output layer is not supported; use "
-         "one --lr", _value(type=float)),
-    Flag("--decoupled-min-lr", "see --decoupled-lr", _value(type=float)),
-    Flag("--calculate-per-token-loss", "the loss here is each microbatch's mean over its tokens, averaged over "
-         "microbatches (Megatron-LM's default); drop --calculate-per-token-loss"),
     Flag("--spec", "custom layer specs are not supported; the local spec (with --normalization, --swiglu) is used",
          _value(nargs="+")),
     Flag("--yaml-cfg", "YAML configs are not read; pass the flags on the command line", _value()),
@@ -135,7 +131,11 @@ def _given(value: Any) -> bool:
 
 def not_used(args: argparse.Namespace) -> list[str]:
     """The accepted-but-unused flags this command line passed, each with why."""
-    return [f"{f.name} ({f.why})" for f in NOT_USED if _given(getattr(args, _dest(f.name), None))]
+    notes = [f"{f.name} ({f.why})" for f in NOT_USED if _given(getattr(args, _dest(f.name), None))]
+    if getattr(args, "ckpt_format", "torch") != "torch":
+        notes.append(f"--ckpt-format {args.ckpt_format} (checkpoints are written as per-rank torch files, "
+                     "iter_N/mp_rank_TT_PPP/model_optim_rng.pt, i.e. --ckpt-format torch)")
+    return notes
 
 
 def refusals(args: argparse.Namespace) -> list[str]:

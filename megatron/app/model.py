@@ -50,6 +50,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, num_chunks:
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers,
+        calculate_per_token_loss=model.calculate_per_token_loss,
         use_cpu_initialization=True,
         # megatron-core only tags TP-partitioned weights when it initialises them, so it does;
         # init_parallel_invariant then overwrites the values.
@@ -73,14 +74,13 @@ def build_model_chunks(model_cfg: ModelConfig, parallel: ParallelConfig, num_chu
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(model_cfg, parallel, num_chunks)
-    spec = layer_spec(model_cfg)
     chunks = []
     for vp_stage in range(num_chunks):
         vp = vp_stage if num_chunks > 1 else None
         with construction_context():
             chunk = GPTModel(
                 config=config,
-                transformer_layer_spec=spec,
+                transformer_layer_spec=layer_spec(model_cfg, config, vp),
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                 vp_stage=vp,
@@ -96,11 +96,49 @@ def build_model_chunks(model_cfg: ModelConfig, parallel: ParallelConfig, num_chu
     return chunks
 
 
-def layer_spec(model_cfg: ModelConfig):
-    """megatron-core's local (no Transformer Engine) transformer layer, with RMSNorm when asked."""
+def layer_spec(model_cfg: ModelConfig, config=None, vp_stage: int | None = None):
+    """megatron-core's local (no Transformer Engine) transformer layer, with RMSNorm when asked.
+    With --apply-layernorm-1p every norm, the final one included, is a `ZeroCenteredNorm`, so the
+    spec is a whole block's (this stage's layers: needs the TransformerConfig and vp stage)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(normalization=model_cfg.normalization)
+    spec = get_gpt_layer_local_spec(normalization=model_cfg.normalization)
+    if not model_cfg.apply_layernorm_1p:
+        return spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    spec.submodules.input_layernorm = ZeroCenteredNorm
+    spec.submodules.pre_mlp_layernorm = ZeroCenteredNorm
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return ModuleSpec(module=TransformerBlock,
+                      submodules=TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=ZeroCenteredNorm))
+
+
+class ZeroCenteredNorm(torch.nn.Module):
+    """LayerNorm or RMSNorm (by `config.normalization`) whose weight holds gamma - 1: it starts at
+    zero and the norm multiplies by 1 + weight (Megatron-LM's --apply-layernorm-1p), so weight
+    decay pulls gamma towards 1 rather than 0. Built by megatron-core as
+    `(config=, hidden_size=, eps=)` wherever its layer spec names a norm."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_) -> None:
+        super().__init__()
+        self.rms = config.normalization == "RMSNorm"
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gamma = 1 + self.weight
+        if self.rms:
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), gamma, self.eps)
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), gamma, self.bias, self.eps)
 
 
 def gpt_model_kwargs(model_cfg: ModelConfig) -> dict:
@@ -139,7 +177,7 @@ def _initial_value(name: str, full_shape: torch.Size, seed: int, cfg: ModelConfi
     if leaf == "bias" or leaf.endswith("_bias"):
         return torch.zeros(full_shape)
     if "norm" in name and len(full_shape) == 1:
-        return torch.ones(full_shape)
+        return (torch.zeros if cfg.apply_layernorm_1p else torch.ones)(full_shape)
     std = cfg.init_method_std
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         # Output projections of residual branches are scaled by depth (GPT-2 style).

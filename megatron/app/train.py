@@ -68,20 +68,23 @@ class TrainContext:
         return self.pp_rank == pp - 1 and self.tp_rank == 0 and self.dp_rank == 0 and not self.secondary
 
 
-def learning_rate(cfg, iteration: int) -> float:
-    """Linear warmup, then constant / linear / cosine decay to min_lr."""
+def learning_rate(cfg, iteration: int, peak: float | None = None, floor: float | None = None) -> float:
+    """Linear warmup, then constant / linear / cosine decay to min_lr (or to `floor` from `peak`,
+    for the embedding and output layer under --decoupled-lr)."""
     o = cfg.optimizer
+    peak = o.lr if peak is None else peak
+    floor = o.min_lr if floor is None else floor
     if o.lr_warmup_iters and iteration < o.lr_warmup_iters:
-        return o.lr * (iteration + 1) / o.lr_warmup_iters
+        return peak * (iteration + 1) / o.lr_warmup_iters
     if o.lr_decay_style == "constant":
-        return o.lr
+        return peak
     decay_iters = (o.lr_decay_iters or cfg.training.train_iters) - o.lr_warmup_iters
     progress = min(1.0, max(0.0, (iteration - o.lr_warmup_iters) / max(1, decay_iters)))
     if o.lr_decay_style == "linear":
         factor = 1.0 - progress
     else:
         factor = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return o.min_lr + (o.lr - o.min_lr) * factor
+    return floor + (peak - floor) * factor
 
 
 def pick_schedule_name(cfg: RunConfig) -> str:
@@ -149,6 +152,7 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
         device=backend.device,
     )
     ctx.executor = plugins.first("make_executor", ctx) or default_executor(ctx)
+    ctx.executor.per_token_loss = cfg.model.calculate_per_token_loss
     if cfg.model.fp16:
         # Both executors scale the last stage's loss before backward: ours through the executor,
         # megatron-core's schedule through the model config, as Megatron-LM sets it.
@@ -176,7 +180,7 @@ def train_step(ctx: TrainContext, plugins: PluginSet) -> dict[str, Any]:
     for chunk in ctx.chunks:
         chunk.train()
     result = ctx.executor.run(ctx.schedule, lambda mb: ctx.data.train_microbatch(iteration, mb))
-    updated, grad_norm = sync_grads_and_step(ctx, plugins, iteration)
+    updated, grad_norm = sync_grads_and_step(ctx, plugins, iteration, result.num_tokens)
     return {"lm loss": result.mean_loss, "grad norm": grad_norm, "learning rate": lr,
             "updated": updated, "num_tokens": result.num_tokens,
             "loss scale": ctx.optimizer.loss_scale if ctx.cfg.model.fp16 else None}
@@ -184,22 +188,49 @@ def train_step(ctx: TrainContext, plugins: PluginSet) -> dict[str, Any]:
 
 def set_learning_rate(ctx: TrainContext) -> float:
     """This iteration's learning rate, set on every optimizer parameter group."""
+    o = ctx.cfg.optimizer
     lr = learning_rate(ctx.cfg, ctx.iteration)
+    decoupled = None
+    if o.decoupled_lr is not None:
+        decoupled = learning_rate(ctx.cfg, ctx.iteration, o.decoupled_lr,
+                                  o.decoupled_min_lr if o.decoupled_min_lr is not None else o.min_lr)
     for group in ctx.optimizer.param_groups:
-        group["lr"] = lr
+        # Our CPU optimizer marks the group "decoupled"; megatron-core's, "is_decoupled_lr".
+        group["lr"] = decoupled if decoupled is not None and (group.get("decoupled") or group.get("is_decoupled_lr")) \
+            else lr
     return lr
 
 
-def sync_grads_and_step(ctx: TrainContext, plugins: PluginSet, iteration: int) -> tuple[bool, float]:
+def sync_grads_and_step(ctx: TrainContext, plugins: PluginSet, iteration: int,
+                        num_tokens: int = 0) -> tuple[bool, float]:
     """Gradient sync over the data-parallel group, then the optimizer step, with the plugin hooks
-    around it; every step runner ends its iteration with this. Returns (updated, grad norm)."""
+    around it; every step runner ends its iteration with this. Returns (updated, grad norm).
+    `num_tokens`: the loss tokens this rank's last stage saw (for --calculate-per-token-loss)."""
     with span("grad_sync", iteration=iteration):
         ctx.backend.finalize_grads(ctx.chunks)
+        if ctx.cfg.model.calculate_per_token_loss:
+            _divide_by_global_batch_tokens(ctx, num_tokens)
     plugins.call("before_optimizer_step", ctx, iteration)
     with span("optimizer", iteration=iteration):
         updated, grad_norm = ctx.optimizer.step()
     plugins.call("after_optimizer_step", ctx, iteration)
     return updated, grad_norm
+
+
+def _divide_by_global_batch_tokens(ctx: TrainContext, num_tokens: int) -> None:
+    counted = ctx.pp_rank == ctx.cfg.parallel.pipeline_model_parallel_size - 1 and ctx.tp_rank == 0
+    divide_by_global_batch_tokens(ctx.backend, ctx.chunks, num_tokens if counted else 0,
+                                  ctx.cfg.parallel.data_parallel_size)
+
+
+def divide_by_global_batch_tokens(backend: DeviceBackend, chunks, num_tokens: int, dp_size: int) -> None:
+    """--calculate-per-token-loss: the synced gradients are the data-parallel mean of each replica's
+    summed token losses; times dp over the global batch's token count they are the gradient of the
+    mean loss over every token of the global batch. `num_tokens`: this rank's share of the count
+    (its last stage's tokens on one TP rank per replica, else 0); every rank learns the total."""
+    total = torch.tensor([float(num_tokens)], dtype=torch.float64, device=backend.device)
+    dist.all_reduce(total)
+    backend.scale_grads(chunks, dp_size / max(1.0, float(total.item())))
 
 
 def evaluate(ctx: TrainContext, iteration: int) -> float | None:
@@ -297,11 +328,13 @@ def parse(argv: Sequence[str] | None = None) -> tuple[RunConfig, PluginSet]:
     plugins = PluginSet([p for p in candidates if p.enabled(args)])
     plugins.call("configure_layout", cfg)
     validate(cfg)
-    if cfg.model.fp16:
-        for plugin in plugins.plugins:
-            if getattr(type(plugin), "make_step_runner") is not getattr(Plugin, "make_step_runner"):
-                raise ConfigError(f"--fp16 cannot run with the {plugin.name} plugin, which runs its own training "
-                                  "step without loss scaling; use --bf16 or drop that plugin's flag")
+    needs_trainer_step = [flag for flag, on in (("--fp16", cfg.model.fp16),
+                                                 ("--calculate-per-token-loss", cfg.model.calculate_per_token_loss))
+                          if on]
+    for plugin in plugins.plugins if needs_trainer_step else ():
+        if getattr(type(plugin), "make_step_runner") is not getattr(Plugin, "make_step_runner"):
+            raise ConfigError(f"{' and '.join(needs_trainer_step)} cannot run with the {plugin.name} plugin, which "
+                              "runs its own training step; drop that plugin's flag (or use --bf16 for --fp16)")
     if cfg.training.pipeline_schedule == MegatronCoreSchedule.schedule_name:
         # megatron-core's schedule drives the whole iteration; a plugin that replaces the
         # executor, the transport or the step would be silently bypassed.

@@ -110,8 +110,9 @@ class ForwardHost:
         parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK = stage
         try:
             with self.ctx.backend.model_construction():
+                config = transformer_config(m, cfg.parallel, 1)
                 chunk = GPTModel(
-                    config=transformer_config(m, cfg.parallel, 1), transformer_layer_spec=layer_spec(m),
+                    config=config, transformer_layer_spec=layer_spec(m, config),
                     pre_process=stage == 0, post_process=stage == self.layout.pp - 1, pg_collection=groups,
                     **gpt_model_kwargs(m),
                 )

@@ -34,6 +34,8 @@ SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "device=torch.cuda.current_device()", "_CUDAOnCPU.current_device"),
         ("megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator._communicate",
          "torch.cuda.synchronize()", "_CUDAOnCPU.synchronize"),
+        ("megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.get_emb",
+         "self.inv_freq.to(device=torch.cuda.current_device())", "CPU_TORCH_MODULES (_CUDAOnCPU.current_device)"),
         ("megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator._communicate_shapes",
          "device=torch.cuda.current_device()", "_CUDAOnCPU.current_device"),
         ("megatron.core.tensor_parallel.random:_get_all_rng_states", "_get_cuda_rng_state(", "_cpu_recompute_rng_states"),
@@ -81,9 +83,10 @@ def _cuda_uses(module_name: str) -> tuple[set[str], list[str]]:
 @pytest.mark.parametrize("module_name,attributes,calls", [
     ("megatron.core.pipeline_parallel.schedules", set(), {"torch.zeros", "torch.autocast"}),
     ("megatron.core.pipeline_parallel.p2p_communication", {"current_device", "synchronize"}, set()),
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", {"current_device"}, set()),
 ])
 def test_megatron_core_schedules_make_no_cuda_call_without_a_cpu_stand_in(module_name, attributes, calls):
-    """Every CUDA-only call in megatron-core's schedule and P2P modules is one `_TorchOnCPU` /
+    """Every CUDA-only call in megatron-core's schedule, P2P and RoPE modules is one `_TorchOnCPU` /
     `_CUDAOnCPU` replaces; a new one in an upgrade fails here rather than in a CPU run."""
     used, cuda_calls = _cuda_uses(module_name)
     assert used <= attributes, f"{module_name} now uses torch.cuda.{sorted(used - attributes)}: add a stand-in"

@@ -32,9 +32,15 @@ def _assemble(ranks: list[dict]) -> tuple[list[float], dict[str, torch.Tensor]]:
         for name, (grad, dim) in rank["grads"].items():
             shards.setdefault(name, {})[rank["tp_rank"]] = (grad, dim)
     full = {}
+    swiglu = ranks[0].get("swiglu", False)
     for name, by_tp in shards.items():
         ordered = [by_tp[k] for k in sorted(by_tp)]
         dim = ordered[0][1]
+        if swiglu and dim == 0 and name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
+            # each TP rank holds [its gate rows; its up rows]; the full tensor is [gate; up]
+            halves = [g.chunk(2, dim=0) for g, _ in ordered]
+            full[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+            continue
         full[name] = ordered[0][0] if dim is None else torch.cat([g for g, _ in ordered], dim=dim)
         if dim is None:
             for other, _ in ordered[1:]:
@@ -50,6 +56,8 @@ CASES = [
     (2, ["--pp", "2", "--vpp-layers", "1"]),              # interleaved, 2 chunks per rank
     (4, ["--pp", "4", "--vpp-layers", "1", "--layers", "8"]),  # interleaved PP=4
     (4, ["--pp", "2", "--untie"]),                        # PP + DP=2, untied output layer
+    (4, ["--pp", "2", "--per-token"]),                    # --calculate-per-token-loss over PP + DP=2
+    (4, ["--tp", "2", "--pp", "2", "--swiglu"]),          # Llama-style (SwiGLU, RMSNorm, RoPE, GQA, 1p norms)
 ]
 
 
@@ -70,7 +78,8 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("nproc,args", CASES, ids=[" ".join(a) for _, a in CASES])
 def test_pipelined_equals_unpipelined(tmp_path, reference, nproc, args):
     layers = args[args.index("--layers") + 1] if "--layers" in args else "4"
-    reference_args = ["--layers", layers, "--microbatches", "4"] + (["--untie"] if "--untie" in args else [])
+    reference_args = ["--layers", layers, "--microbatches", "4"] + [
+        flag for flag in ("--untie", "--per-token", "--swiglu") if flag in args]
     ref_losses, ref_grads = reference(reference_args)
     extra = [] if "--layers" in args else ["--layers", layers]
     losses, grads = _assemble(_run(tmp_path, nproc, [*args, *extra, "--microbatches", "4"]))
@@ -112,3 +121,13 @@ def test_megatron_core_schedule_equals_ours_on_cpu(tmp_path, nproc, args):
                 f"max difference {(other - grad).abs().max().item():.3e}")
     tp = int(args[args.index("--tp") + 1]) if "--tp" in args else 1
     assert last_stage_losses == 4 * tp  # every microbatch's loss, on each TP rank of the last stage
+
+
+def test_per_token_loss_weighs_tokens_not_microbatches(tmp_path, reference):
+    """With uneven loss masks the per-token gradient is not the mean of per-microbatch means."""
+    _, per_token = reference(["--layers", "4", "--microbatches", "4", "--per-token"])
+    _, per_microbatch = reference(["--layers", "4", "--microbatches", "4"])
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    difference = (per_token[name] - per_microbatch[name]).abs().max().item()
+    assert difference > 1e-4 * per_microbatch[name].abs().max().item(), difference
+

@@ -36,6 +36,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--untie", action="store_true")
+    parser.add_argument("--per-token", action="store_true", help="--calculate-per-token-loss")
+    parser.add_argument("--swiglu", action="store_true", help="a Llama-style model (SwiGLU, RMSNorm, RoPE, GQA, no "
+                        "biases, zero-centred norms)")
     parser.add_argument("--schedule", choices=["ours", "megatron-core", "both"], default="ours",
                         help="both: run ours, then megatron-core's get_forward_backward_func() on the same "
                              "model and microbatches, and save both results")
@@ -49,7 +52,10 @@ def main() -> None:
                               num_layers_per_virtual_pipeline_stage=args.vpp_layers, world_size=world)
     model = ModelConfig(num_layers=args.layers, hidden_size=64, num_attention_heads=4, seq_length=16,
                         max_position_embeddings=16, vocab_size=100,
-                        untie_embeddings_and_output_weights=args.untie)
+                        untie_embeddings_and_output_weights=args.untie, calculate_per_token_loss=args.per_token,
+                        **(dict(swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
+                                num_query_groups=2, add_bias_linear=False, apply_layernorm_1p=True,
+                                ffn_hidden_size=96) if args.swiglu else {}))
     chunks_n = parallel.virtual_chunks(model.num_layers)
     backend = build_backend("cpu")
     backend.init_distributed(timeout_s=120)
@@ -65,7 +71,8 @@ def main() -> None:
     dp_rank = parallel_state.get_data_parallel_rank()
     per_dp = args.microbatches // dp
     schedules = ["ours", "megatron-core"] if args.schedule == "both" else [args.schedule]
-    saved = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(), "dp_rank": dp_rank, "pp_rank": pp_rank}
+    saved = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(), "dp_rank": dp_rank, "pp_rank": pp_rank,
+             "tp_size": args.tp, "swiglu": args.swiglu}
     for which in schedules:
         backend.zero_grad(chunks)
         if which == "ours":
@@ -74,9 +81,15 @@ def main() -> None:
             from megatron.app.mcore_schedule import MegatronCoreSchedule
 
             executor = MegatronCoreSchedule(chunks, stage)
+        executor.per_token_loss = args.per_token
         result = executor.run(build_schedule(name, layout, pp_rank),
                               lambda mb: synthetic_microbatch(dp_rank * per_dp + mb, 2, 16, 100))
         backend.finalize_grads(chunks)
+        if args.per_token:
+            from megatron.app.train import divide_by_global_batch_tokens
+
+            counted = pp_rank == args.pp - 1 and saved["tp_rank"] == 0
+            divide_by_global_batch_tokens(backend, chunks, result.num_tokens if counted else 0, dp)
         grads = {}
         for chunk in chunks:
             for local, param in chunk.named_parameters():
