@@ -141,7 +141,10 @@ def build_parser(plugins: Sequence = ()) -> argparse.ArgumentParser:
 
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
+    g.add_argument("--load", default=None,
+                   help="resume from the latest checkpoint in DIR; a DIR without one starts from scratch")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="stop with an error when --load DIR holds no checkpoint")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr", "fsdp_dtensor"], default="torch",
                    help="torch: per-rank torch files, the only format written here (others are reported "
@@ -241,7 +244,8 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
             exit_interval=args.exit_interval,
             exit_duration_in_mins=args.exit_duration_in_mins,
         ),
-        checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval),
+        checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
+                                    exit_on_missing_checkpoint=args.exit_on_missing_checkpoint),
         logging=LoggingConfig(tensorboard_dir=args.tensorboard_dir, log_throughput=args.log_throughput),
         data=DataArgs(
             data_path=args.data_path,

@@ -126,6 +126,11 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, chunks, op
     return final
 
 
+def has_checkpoint(root: str) -> bool:
+    """Whether `root` holds a complete checkpoint (its tracker file exists)."""
+    return (Path(root) / TRACKER).is_file()
+
+
 def find_latest(root: str) -> int:
     tracker = Path(root) / TRACKER
     if not Path(root).is_dir():

@@ -130,6 +130,7 @@ class CheckpointConfig:
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None
+    exit_on_missing_checkpoint: bool = False
 
 
 @dataclass(kw_only=True, slots=True)

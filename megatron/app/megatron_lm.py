@@ -96,7 +96,6 @@ REFUSED: tuple[Flag, ...] = (
     Flag("--spec", "custom layer specs are not supported; the local spec (with --normalization, --swiglu) is used",
          _value(nargs="+")),
     Flag("--yaml-cfg", "YAML configs are not read; pass the flags on the command line", _value()),
-    Flag("--exit-on-missing-checkpoint", "--load of a missing checkpoint already stops with an error; drop it"),
     Flag("--no-load-optim", "a resume here always restores the optimizer; drop --no-load-optim"),
     Flag("--no-load-rng", "a resume here always restores the RNG state; drop --no-load-rng"),
     Flag("--no-save-optim", "checkpoints here always hold the optimizer (resuming must be exact); drop it"),

@@ -218,6 +218,8 @@ def build_tokenizer(
     vocab_size: int | None = None,
 ) -> Tokenizer:
     """Build the tokenizer named by `--tokenizer-type`; errors name the flag or file to fix."""
+    if tokenizer_type is None and vocab_file and merge_file:
+        tokenizer_type = "GPT2BPETokenizer"  # what Megatron-LM's GPT scripts mean by passing only the two files
     if tokenizer_type is None:
         raise TokenizerError(f"pass --tokenizer-type, one of: {', '.join(TOKENIZER_TYPES)}")
     if tokenizer_type == "GPT2BPETokenizer":

@@ -133,7 +133,13 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
           f"chunks={len(chunks)} parameters={params:,}", flush=True)
     ctx.chunks = backend.wrap_model(chunks, cfg)
     ctx.optimizer = backend.build_optimizer(ctx.chunks, cfg.optimizer)
-    if cfg.checkpoint.load:
+    load = cfg.checkpoint.load
+    if load and not ckpt.has_checkpoint(load) and not cfg.checkpoint.exit_on_missing_checkpoint:
+        # Megatron-LM's behaviour, which scripts passing the same directory to --save and --load rely on.
+        print_rank_0(f"warning: no checkpoint to load in --load {load} (no {ckpt.TRACKER}); starting from "
+                     "scratch (--exit-on-missing-checkpoint makes this an error)")
+        load = None
+    if load:
         ctx.iteration, ctx.consumed_samples = plugins.first("load_checkpoint", ctx) or ckpt.load_checkpoint(
             cfg.checkpoint.load, ctx.chunks, ctx.optimizer, cfg, ctx.tp_rank, ctx.pp_rank
         )

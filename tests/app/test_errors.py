@@ -73,9 +73,15 @@ def test_corrupt_index(tmp_path, demo_corpus):
 
 
 def test_load_of_missing_directory(tmp_path):
-    proc = torchrun("pretrain_gpt.py", [*SMALL_MODEL, *MOCK, "--load", str(tmp_path / "no_such_ckpt")], nproc=2,
-                    timeout=120)
+    """As in Megatron-LM: --load DIR without a checkpoint starts from scratch with a warning;
+    --exit-on-missing-checkpoint makes it an error."""
+    proc = torchrun("pretrain_gpt.py", [*SMALL_MODEL, *MOCK, "--load", str(tmp_path / "no_such_ckpt"),
+                                        "--exit-on-missing-checkpoint"], nproc=2, timeout=120)
     _fails_with(proc, "no_such_ckpt: directory does not exist")
+    proc = torchrun("pretrain_gpt.py", [*SMALL_MODEL, *MOCK, "--load", str(tmp_path / "no_such_ckpt"),
+                                        "--train-iters", "1"], nproc=2, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "warning: no checkpoint to load in --load" in proc.stdout and "starting from scratch" in proc.stdout
 
 
 def test_dead_rank_stops_the_job_in_bounded_time():
