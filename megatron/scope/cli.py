@@ -29,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     source = serve.add_mutually_exclusive_group()
     source.add_argument("--load", help="checkpoint directory written by pretrain_gpt.py --save "
                                        f"(default: {DEMO_CHECKPOINT}, the model `bash run_single.sh` trains)")
-    source.add_argument("--hf-gpt2",
-                        help="local Hugging Face GPT-2 directory (config.json, weights, vocab.json, merges.txt)")
+    source.add_argument("--hf-model", "--hf-gpt2", dest="hf_model", metavar="DIR",
+                        help="local Hugging Face LlamaForCausalLM or GPT-2 directory (config.json, model.safetensors "
+                             "or pytorch_model.bin, its tokenizer files); --hf-gpt2 is the older name")
     source.add_argument("--random-model", action="store_true", help="a freshly initialised model (demo/testing)")
     add_server_arguments(serve)
     g = serve.add_argument_group("layout (any TP x PP, whatever the checkpoint was saved with; launch "
@@ -53,22 +54,22 @@ def build_parser() -> argparse.ArgumentParser:
 def load_model(args: argparse.Namespace):
     from megatron.scope import loading
 
-    if not (args.load or args.hf_gpt2 or args.random_model):
+    if not (args.load or args.hf_model or args.random_model):
         if not os.path.isfile(os.path.join(DEMO_CHECKPOINT, "latest_checkpointed_iteration.txt")):
             raise loading.ModelLoadError(
                 f"no model given and no demo checkpoint in {DEMO_CHECKPOINT}: train it with `bash run_single.sh`, "
-                "or pass --load DIR, --hf-gpt2 DIR or --random-model")
+                "or pass --load DIR, --hf-model DIR or --random-model")
         args.load = DEMO_CHECKPOINT
     if args.load:
         overrides = {"tokenizer_type": args.tokenizer_type, "vocab_file": args.vocab_file,
                      "merge_file": args.merge_file}
         return loading.load_checkpoint(args.load, overrides, device=args.device, tp=args.tensor_model_parallel_size,
                                        pp=args.pipeline_model_parallel_size)
-    if args.hf_gpt2:
-        from megatron.scope.gpt2 import load_gpt2
+    if args.hf_model:
+        from megatron.scope.hf import load_hf
 
-        return load_gpt2(args.hf_gpt2, tp=args.tensor_model_parallel_size,
-                         pp=args.pipeline_model_parallel_size, device=args.device)
+        return load_hf(args.hf_model, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                       device=args.device)
     from megatron.app.config import ModelConfig
     from megatron.app.tokenizer import ByteLevelTokenizer
 

@@ -19,7 +19,7 @@ from megatron.scope.runner import ModelRunner
 def read_config(directory: Path) -> dict:
     path = directory / "config.json"
     if not path.is_file():
-        raise ModelLoadError(f"{path} is missing: --hf-gpt2 needs a Hugging Face GPT-2 directory")
+        raise ModelLoadError(f"{path} is missing: --hf-model needs a Hugging Face model directory")
     config = json.loads(path.read_text())
     if config.get("model_type", "gpt2") != "gpt2":
         raise ModelLoadError(f"{path}: model_type {config.get('model_type')!r} is not gpt2")
@@ -29,19 +29,10 @@ def read_config(directory: Path) -> dict:
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    safetensors_file = directory / "model.safetensors"
-    if safetensors_file.is_file():
-        try:
-            from safetensors.torch import load_file
-        except ImportError as exc:
-            raise ModelLoadError("model.safetensors needs the safetensors package (pip install safetensors)") from exc
-        weights = load_file(str(safetensors_file))
-    elif (directory / "pytorch_model.bin").is_file():
-        weights = torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise ModelLoadError(f"{directory} holds neither model.safetensors nor pytorch_model.bin")
+    from megatron.scope.hf import read_weights as read_hf_weights
+
     # GPT2LMHeadModel prefixes "transformer."; a bare GPT2Model does not.
-    return {k.removeprefix("transformer."): v.float() for k, v in weights.items()}
+    return {k.removeprefix("transformer."): v for k, v in read_hf_weights(directory).items()}
 
 
 def megatron_state(hf: dict[str, torch.Tensor], config: dict, padded_vocab: int) -> dict[str, torch.Tensor]:
@@ -106,7 +97,7 @@ def load_gpt2(directory: str, tp: int = 1, pp: int = 1, device: str = "cpu") -> 
                          pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                          share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
     full = megatron_state(read_weights(root), config, model_cfg.padded_vocab_size)
-    assign_full_state(chunk, full, tp, ps.get_tensor_model_parallel_rank())
+    assign_full_state(chunk, full, tp, ps.get_tensor_model_parallel_rank(), model_cfg)
     chunk.to(backend.device).eval()
     runner = ModelRunner([chunk], info_for(model_cfg, tp, pp, f"gpt2:{root.name}"), backend.device)
     return LoadedModel(runner=runner, tokenizer=tokenizer, model_config=model_cfg, backend=backend)

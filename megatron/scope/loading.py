@@ -55,7 +55,7 @@ def info_for(model_cfg: ModelConfig, tp: int, pp: int, name: str) -> ModelInfo:
                      num_heads=model_cfg.num_attention_heads,
                      ffn_hidden_size=model_cfg.ffn_hidden_size or 4 * model_cfg.hidden_size,
                      vocab_size=model_cfg.vocab_size, max_positions=model_cfg.max_position_embeddings,
-                     tp=tp, pp=pp, name=name)
+                     tp=tp, pp=pp, name=name, num_query_groups=model_cfg.num_query_groups)
 
 
 def build_random(model_cfg: ModelConfig, tokenizer: Tokenizer, tp: int = 1, pp: int = 1, seed: int = 1234,
@@ -105,8 +105,9 @@ def load_checkpoint(root: str, tokenizer_overrides: dict[str, Any] | None = None
     chunks = build_model_chunks(model_cfg, parallel, 1, 0, backend.model_construction)
     saved_tp = int(args.get("tensor_model_parallel_size", 1))
     saved_pp = int(args.get("pipeline_model_parallel_size", 1))
-    full = merged_checkpoint_state(root, iteration, saved_tp, saved_pp, model_cfg.num_layers, chunks[0])
-    assign_full_state(chunks[0], full, tp, ps.get_tensor_model_parallel_rank())
+    full = merged_checkpoint_state(root, iteration, saved_tp, saved_pp, model_cfg.num_layers, chunks[0],
+                                   swiglu=model_cfg.swiglu)
+    assign_full_state(chunks[0], full, tp, ps.get_tensor_model_parallel_rank(), model_cfg)
     for chunk in chunks:
         chunk.to(backend.device).eval()
     runner = ModelRunner(chunks, info_for(model_cfg, tp, pp, f"{Path(root).name}@{iteration}"), backend.device)
@@ -114,7 +115,7 @@ def load_checkpoint(root: str, tokenizer_overrides: dict[str, Any] | None = None
 
 
 def merged_checkpoint_state(root: str, iteration: int, saved_tp: int, saved_pp: int, num_layers: int,
-                            reference: torch.nn.Module) -> dict[str, torch.Tensor]:
+                            reference: torch.nn.Module, swiglu: bool = False) -> dict[str, torch.Tensor]:
     """Global parameter name -> full tensor, from all (tp, pp) rank files of one checkpoint.
     `reference` (any chunk of the same model) tells which parameters are TP-split and along what."""
     from megatron.app.model import global_parameter_name
@@ -146,14 +147,20 @@ def merged_checkpoint_state(root: str, iteration: int, saved_tp: int, saved_pp: 
     full = {}
     for name, parts in shards.items():
         dim = split_dims.get(re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.*.", name))
+        if swiglu and dim == 0 and len(parts) > 1 and name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")):
+            halves = [part.chunk(2, dim=0) for part in parts]  # each shard is [its gate rows; its up rows]
+            full[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+            continue
         full[name] = torch.cat(parts, dim=dim) if dim is not None and len(parts) > 1 else parts[0]
     return full
 
 
 @torch.no_grad()
-def assign_full_state(chunk: torch.nn.Module, full: dict[str, torch.Tensor], tp: int, tp_rank: int) -> None:
-    """Copy unsharded tensors into this rank's chunk: its layers, its TP slice."""
-    from megatron.app.model import global_parameter_name
+def assign_full_state(chunk: torch.nn.Module, full: dict[str, torch.Tensor], tp: int, tp_rank: int,
+                      model_cfg: ModelConfig | None = None) -> None:
+    """Copy unsharded tensors into this rank's chunk: its layers, its TP slice (SwiGLU-aware when
+    `model_cfg` says the MLP is gated)."""
+    from megatron.app.model import global_parameter_name, tp_shard
 
     for local_name, param in chunk.named_parameters():
         name = global_parameter_name(chunk, local_name)
@@ -161,7 +168,7 @@ def assign_full_state(chunk: torch.nn.Module, full: dict[str, torch.Tensor], tp:
             raise ModelLoadError(f"no value for megatron-core parameter {name}")
         value = full[name]
         if getattr(param, "tensor_model_parallel", False) and tp > 1:
-            value = value.chunk(tp, dim=param.partition_dim)[tp_rank]
+            value = tp_shard(name, value, param.partition_dim, tp, tp_rank, model_cfg or ModelConfig())
         if tuple(value.shape) != tuple(param.shape):
             raise ModelLoadError(f"{name}: the source holds {tuple(value.shape)}, the model wants {tuple(param.shape)}")
         param.copy_(value.to(param.dtype))

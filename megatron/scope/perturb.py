@@ -129,10 +129,11 @@ class PerturbationHooks:
     """Installs perturbations on this rank's chunks for the duration of a `with` block."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module], perturbations: Sequence[Perturbation],
-                 num_heads: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 num_heads: int, tp_rank: int = 0, tp_size: int = 1, num_query_groups: int | None = None) -> None:
         self.chunks = [getattr(c, "module", c) for c in chunks]
         self.perturbations = [p for p in perturbations if p.enabled and p.intensity != 0]
         self.num_heads = num_heads
+        self.num_groups = num_query_groups or num_heads
         self.tp_rank, self.tp_size = tp_rank, tp_size
 
     def layers(self) -> Iterator[tuple[int, torch.nn.Module]]:
@@ -184,14 +185,21 @@ class PerturbationHooks:
         return list(param.shape), None
 
     def _only_heads(self, clean: torch.Tensor, noisy: torch.Tensor, heads: list[int]) -> torch.Tensor:
-        """Keep the noise only in the QKV rows of the chosen heads (rows are grouped per head)."""
-        local = self.num_heads // self.tp_size
-        per_head = clean.shape[0] // local
+        """Keep the noise only in the QKV rows of the chosen heads. Rows are grouped per key/value
+        group: that group's query heads, its key head, its value head (with one group per head,
+        simply [q; k; v] per head). A head's rows are its query rows and its group's key and value."""
+        local_groups = self.num_groups // self.tp_size
+        per_group = clean.shape[0] // local_groups
+        queries_per_group = self.num_heads // self.num_groups
+        head_dim = per_group // (queries_per_group + 2)
         keep = torch.zeros(clean.shape[0], dtype=torch.bool)
         for head in heads:
-            owner, slot = divmod(head, local)
+            group, within = divmod(head, queries_per_group)
+            owner, slot = divmod(group, local_groups)
             if owner == self.tp_rank:
-                keep[slot * per_head:(slot + 1) * per_head] = True
+                base = slot * per_group
+                keep[base + within * head_dim: base + (within + 1) * head_dim] = True
+                keep[base + queries_per_group * head_dim: base + per_group] = True
         return torch.where(keep.view(-1, *([1] * (clean.dim() - 1))), noisy, clean)
 
     # --- calculation and system: forward hooks --------------------------------------

@@ -139,7 +139,7 @@ class ScopePlugin(Plugin):
         perturbations = self.plan.get("perturbations", [])
         if perturbations:
             hooks = PerturbationHooks(ctx.chunks, perturbations, self.runner.info.num_heads, self.runner.tp_rank,
-                                      self.runner.info.tp)
+                                      self.runner.info.tp, num_query_groups=self.runner.info.num_query_groups)
             self.active_perturbations = hooks.active()
             self.active_perturbations.__enter__()
 

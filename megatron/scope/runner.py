@@ -29,6 +29,7 @@ class ModelInfo:
     tp: int = 1
     pp: int = 1
     name: str = "model"
+    num_query_groups: int | None = None  # grouped-query attention (None: one key/value head per head)
 
     def as_message(self) -> dict[str, Any]:
         return {"num_layers": self.num_layers, "hidden_size": self.hidden_size, "num_heads": self.num_heads,
@@ -99,7 +100,8 @@ class ModelRunner:
                 output = self._run_stage(tokens, position_ids, mask, batch, seq)
             logits = self._gather_vocab(output) if self.is_last_stage else None
             return self._collect(logits, {}, None)
-        perturb = PerturbationHooks(self.chunks, perturbations, self.info.num_heads, self.tp_rank, self.info.tp)
+        perturb = PerturbationHooks(self.chunks, perturbations, self.info.num_heads, self.tp_rank, self.info.tp,
+                                    num_query_groups=self.info.num_query_groups)
         with torch.set_grad_enabled(grad), perturb.active():
             if hooks is None:
                 output = self._run_stage(tokens, position_ids, mask, batch, seq)
