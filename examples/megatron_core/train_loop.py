@@ -1,8 +1,8 @@
 """A training loop written directly against megatron-core, the way its own simple-loop example
-writes one: GPTModel, `get_forward_backward_func()`, synthetic data, a torch optimizer and the
-gradient sync done by the script itself. Nothing here comes from this project except one call,
-`run_megatron_core_on_cpu(seed)`, that lets the same script run on CPU ranks (gloo); on GPUs it
-calls megatron-core's `model_parallel_cuda_manual_seed(seed)` instead.
+writes one: GPTModel, `get_forward_backward_func()`, synthetic data, a torch optimizer, and
+gradients synced by megatron-core's DistributedDataParallel and `finalize_model_grads`. Nothing
+here comes from this project except one call, `run_megatron_core_on_cpu(seed)`, that lets the same
+script run on CPU ranks (gloo); on GPUs it calls megatron-core's `model_parallel_cuda_manual_seed(seed)`.
 
     torchrun --nproc-per-node 4 examples/megatron_core/train_loop.py \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
@@ -22,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -122,41 +123,37 @@ def forward_step(data_iterator, model):
     return output, loss_func
 
 
-def sync_gradients(model: list[GPTModel]) -> None:
-    """Average gradients over data-parallel replicas; sum the tied word-embedding gradient over the
-    first and last pipeline stage."""
-    grads = [p.grad for chunk in model for p in chunk.parameters() if p.grad is not None]
-    dp_group = parallel_state.get_data_parallel_group()
-    if dist.get_world_size(dp_group) > 1 and grads:
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat.div_(dist.get_world_size(dp_group)), group=dp_group)
-        for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            grad.copy_(synced)
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1 and parallel_state.is_rank_in_embedding_group():
-        for chunk in model:
-            if chunk.share_embeddings_and_output_weights and (chunk.pre_process or chunk.post_process):
-                weight = chunk.shared_embedding_or_output_weight()
-                if weight.grad is None:
-                    weight.grad = torch.zeros_like(weight)
-                dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+def wrap_for_data_parallel(model: list[GPTModel]) -> list[DistributedDataParallel]:
+    """megatron-core's DDP: gradients accumulate in per-bucket buffers (`param.main_grad`) and are
+    all-reduced over the data-parallel group by `finalize_model_grads`, which the schedule calls
+    at the end of each forward-backward (with the tied embedding's all-reduce)."""
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    wrapped = [DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
+                                       disable_bucketing=index > 0) for index, chunk in enumerate(model)]
+    wrapped[0].config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
 
 
 def main() -> None:
     args = parse_args()
     device = initialize(args)
-    model = build_model(args, device)
-    optimizer = torch.optim.AdamW([p for chunk in model for p in chunk.parameters()], lr=args.lr)
+    model = wrap_for_data_parallel(build_model(args, device))
+    params = [p for chunk in model for p in chunk.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=args.lr)
     forward_backward = get_forward_backward_func()
     last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     for step in range(args.train_iters):
         started = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)  # param.grad must not alias main_grad during backward
+        for chunk in model:
+            chunk.zero_grad_buffer()
         data = [synthetic_batches(args, step, device) for _ in model]
         losses = forward_backward(
             forward_step_func=forward_step, data_iterator=data if len(model) > 1 else data[0],
             model=model if len(model) > 1 else model[0], num_microbatches=args.num_microbatches,
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
-        sync_gradients(model)
+        for param in params:
+            param.grad = param.main_grad  # the synced gradient, for the torch optimizer
         optimizer.step()
         if last_stage and parallel_state.get_tensor_model_parallel_rank() == 0 \
                 and parallel_state.get_data_parallel_rank() == 0:

@@ -201,13 +201,17 @@ CPU_TORCH_MODULES = (
     # RotaryEmbedding.get_emb moves its inverse frequencies to torch.cuda.current_device() at the
     # first forward (--position-embedding-type rope).
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    # megatron-core's DistributedDataParallel: _ParamAndGradBuffer allocates its gradient (and
+    # distributed-optimizer parameter) buffers on torch.cuda.current_device().
+    "megatron.core.distributed.param_and_grad_buffer",
 )
 
 
 def use_megatron_core_schedules_on_cpu() -> None:
     """Let `megatron.core.pipeline_parallel.get_forward_backward_func()` (no pipelining, 1F1B,
-    interleaved) and RoPE run on the CPU backend: the schedule, P2P and rotary-embedding modules see
-    `_TorchOnCPU` as their `torch`. Only those modules' globals change; idempotent."""
+    interleaved), RoPE and megatron-core's DistributedDataParallel run on the CPU backend: the
+    modules in CPU_TORCH_MODULES see `_TorchOnCPU` as their `torch`. Only those modules' globals
+    change; idempotent."""
     import importlib
 
     for name in CPU_TORCH_MODULES:

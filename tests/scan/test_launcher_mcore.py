@@ -1,8 +1,8 @@
 """Zero-code tracing of an unmodified megatron-core pipeline job (`examples/megatron_core/train_loop.py`,
-megatron-core's own schedule and P2P) through `python -m megatron.scan launch`: every send is linked
-to its receive, every (chunk, microbatch) has a forward and a backward span in every traced
-iteration, each rank's file carries its TP/PP/DP coordinates, and detection names a rank throttled
-from outside the job."""
+megatron-core's own schedule, P2P and DistributedDataParallel) through `python -m megatron.scan
+launch`: every send is linked to its receive, every (chunk, microbatch) has a forward and a backward
+span in every traced iteration, DDP's bucket all-reduce is recorded, each rank's file carries its
+TP/PP/DP coordinates, and detection names a rank throttled from outside the job."""
 from __future__ import annotations
 
 import json
@@ -86,6 +86,11 @@ def _check_pipeline_view(trace_dir, tmp_path, sizes: dict[str, int]) -> None:
         assert spans == expected, (path.name, sorted(spans ^ expected)[:6])
         sends = [i for i, n in enumerate(names) if n == "send"]
         assert sends and all(c["bytes"][i] > 0 and c["peer"][i] >= 0 for i in sends), path.name
+        if sizes["dp"] > 1:  # megatron-core DDP's bucket reduction, one per traced iteration
+            data_parallel = {i for i, g in enumerate(trace.groups) if g["desc"].startswith("DATA_PARALLEL")}
+            reductions = [i for i, n in enumerate(names) if n == "all_reduce" and c["group"][i] in data_parallel]
+            assert len(reductions) >= len(iterations), (path.name, len(reductions))
+            assert min(int(c["bytes"][i]) for i in reductions) > 10_000  # the gradient buffer, not a scalar
     assert len(coordinates) == 4  # every rank its own place in the layout
 
     summary = aggregate(trace_dir, tmp_path / "merged.json", jobs=1).summary()
