@@ -70,7 +70,7 @@ def initialize(args: argparse.Namespace) -> torch.device:
 
         model_parallel_cuda_manual_seed(args.seed)
         return torch.device("cuda", torch.cuda.current_device())
-    from megatron.app.device import run_megatron_core_on_cpu
+    from megatron.app.cpu_stand_ins import run_megatron_core_on_cpu
 
     run_megatron_core_on_cpu(args.seed)  # the only line that differs on CPU
     return torch.device("cpu")

@@ -4,7 +4,7 @@
 parallel state, exactly as a Megatron-LM training loop would; this class feeds it this trainer's
 microbatches and loss, and reports the same `IterationResult` as `PipelineExecutor`, so the rest
 of the iteration (gradient sync, optimizer, logging, evaluation) is unchanged. On the CPU
-backend the schedule runs over gloo through the stand-ins in `megatron.app.device`.
+backend the schedule runs over gloo through the stand-ins in `megatron.app.cpu_stand_ins`.
 
 Forward and backward spans per (chunk, microbatch) are recorded for the observer (MegaScan's
 tracer) by wrapping the schedule module's `forward_step` / `backward_step` for the duration of

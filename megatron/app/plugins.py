@@ -59,6 +59,10 @@ class Plugin:
         return (iteration, consumed_samples), or None to leave it to the trainer."""
         return None
 
+    def overrides(self, hook: str) -> bool:
+        """Whether this plugin supplies its own `hook` (e.g. "make_step_runner")."""
+        return getattr(type(self), hook) is not getattr(Plugin, hook)
+
     def before_iteration(self, ctx, iteration: int) -> None: ...
 
     def after_iteration(self, ctx, iteration: int, metrics: dict[str, Any]) -> None: ...

@@ -26,7 +26,7 @@ from megatron.app.logs import MetricsLogger, print_rank_0
 from megatron.app.mcore_schedule import MegatronCoreSchedule
 from megatron.app.model import build_model_chunks, count_parameters, unwrap_model
 from megatron.app.observer import span
-from megatron.app.plugins import Plugin, PluginSet, available_plugins
+from megatron.app.plugins import PluginSet, available_plugins
 from megatron.app.schedule import PipelineLayout, build_schedule
 from megatron.app.tokenizer import TokenizerError
 from megatron.app.training_data import TrainingData
@@ -334,27 +334,30 @@ def parse(argv: Sequence[str] | None = None) -> tuple[RunConfig, PluginSet]:
     plugins = PluginSet([p for p in candidates if p.enabled(args)])
     plugins.call("configure_layout", cfg)
     validate(cfg)
+    _check_plugins_fit(cfg, plugins)
+    plugins.call("configure", cfg)
+    return cfg, plugins
+
+
+def _check_plugins_fit(cfg: RunConfig, plugins: PluginSet) -> None:
+    """Refuse plugins that would silently bypass what the flags ask of the trainer's own step."""
     needs_trainer_step = [flag for flag, on in (("--fp16", cfg.model.fp16),
                                                  ("--calculate-per-token-loss", cfg.model.calculate_per_token_loss))
                           if on]
-    for plugin in plugins.plugins if needs_trainer_step else ():
-        if getattr(type(plugin), "make_step_runner") is not getattr(Plugin, "make_step_runner"):
+    mcore = cfg.training.pipeline_schedule == MegatronCoreSchedule.schedule_name
+    for plugin in plugins.plugins:
+        if needs_trainer_step and plugin.overrides("make_step_runner"):
             raise ConfigError(f"{' and '.join(needs_trainer_step)} cannot run with the {plugin.name} plugin, which "
                               "runs its own training step; drop that plugin's flag (or use --bf16 for --fp16)")
-    if cfg.training.pipeline_schedule == MegatronCoreSchedule.schedule_name:
-        # megatron-core's schedule drives the whole iteration; a plugin that replaces the
-        # executor, the transport or the step would be silently bypassed.
-        for plugin in plugins.plugins:
-            replaced = [hook for hook in ("make_executor", "make_transport", "make_step_runner")
-                        if getattr(type(plugin), hook) is not getattr(Plugin, hook)]
-            if replaced:
-                raise ConfigError(
-                    f"--pipeline-schedule megatron-core cannot run with the {plugin.name} plugin, which replaces "
-                    f"the pipeline's {', '.join(h.removeprefix('make_') for h in replaced)}; pick another "
-                    "--pipeline-schedule or drop that plugin's flag"
-                )
-    plugins.call("configure", cfg)
-    return cfg, plugins
+        # megatron-core's schedule drives the whole iteration: a plugin's executor, transport or
+        # step would be bypassed.
+        replaced = [hook for hook in ("make_executor", "make_transport", "make_step_runner") if plugin.overrides(hook)]
+        if mcore and replaced:
+            raise ConfigError(
+                f"--pipeline-schedule megatron-core cannot run with the {plugin.name} plugin, which replaces "
+                f"the pipeline's {', '.join(h.removeprefix('make_') for h in replaced)}; pick another "
+                "--pipeline-schedule or drop that plugin's flag"
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -309,7 +309,6 @@ class LaunchSession:
         from megatron.app.mcore_schedule import install_step_spans
 
         self._undo_steps = install_step_spans(self.tracer, on_forward=self._on_forward)
-        self._layout_known = False
 
     def _on_forward(self, args: tuple, kwargs: dict) -> None:
         """At the first forward of megatron-core's schedule its parallel state is set up: put this

@@ -116,7 +116,9 @@ class ScanPlugin(Plugin):
         if args.trace_granularity == "full":
             self.tracer.layer_scopes = LayerScopes(self.tracer, transformer_layers(ctx.chunks))
         self.tracer.collectives.install()
-        if getattr(ctx.executor, "schedule_name", None) == "megatron-core":
+        from megatron.app.mcore_schedule import MegatronCoreSchedule
+
+        if isinstance(ctx.executor, MegatronCoreSchedule):
             self.tracer.trace_point_to_point()  # megatron-core's P2P, which no executor span surrounds
         set_observer(self.tracer)
         self.train_iters = cfg.training.train_iters

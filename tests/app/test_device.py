@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch
 
-from megatron.app import device
+from megatron.app import cpu_stand_ins, device
 from launch import torchrun
 
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -58,7 +58,7 @@ def test_megatron_core_still_has_the_cuda_call_each_stand_in_replaces(owner, nee
     source = inspect.getsource(target)
     assert needle in source, (
         f"megatron-core changed {attr_path}: it no longer contains {needle!r}. Re-check the CPU stand-in "
-        f"{stand_in} in megatron/app/device.py (it may be obsolete or need updating)."
+        f"{stand_in} in megatron/app/cpu_stand_ins.py (it may be obsolete or need updating)."
     )
 
 
@@ -99,16 +99,16 @@ def test_megatron_core_schedules_make_no_cuda_call_without_a_cpu_stand_in(module
     assert used <= attributes | unreachable, f"{module_name} now uses torch.cuda.{sorted(used - attributes)}"
     unknown = [c for c in cuda_calls if c.split("@")[0] not in calls | unreachable]
     assert not unknown, f"{module_name} now calls {unknown} with \"cuda\": add a stand-in to _TorchOnCPU"
-    assert module_name in device.CPU_TORCH_MODULES
-    stand_in = device._TorchOnCPU()
+    assert module_name in cpu_stand_ins.CPU_TORCH_MODULES
+    stand_in = cpu_stand_ins._TorchOnCPU()
     for name in attributes:
         assert callable(getattr(stand_in.cuda, name))
     for name in calls:
-        assert getattr(device._TorchOnCPU, name.removeprefix("torch.")) is not getattr(torch, name.removeprefix("torch."))
+        assert getattr(cpu_stand_ins._TorchOnCPU, name.removeprefix("torch.")) is not getattr(torch, name.removeprefix("torch."))
 
 
 def test_schedule_stand_ins_keep_everything_else_on_the_real_torch():
-    stand_in = device._TorchOnCPU()
+    stand_in = cpu_stand_ins._TorchOnCPU()
     assert stand_in.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
     assert stand_in.empty((2,), device=stand_in.cuda.current_device()).device.type == "cpu"
     assert stand_in.zeros(2, device="cpu").device.type == "cpu"
@@ -122,7 +122,7 @@ def test_schedule_stand_ins_keep_everything_else_on_the_real_torch():
 def test_cpu_rng_tracker_forks_named_streams_and_restores_the_outer_state():
     from megatron.core.tensor_parallel import random as mc_random
 
-    tracker = device._cpu_rng_tracker(seed=5, tp_rank=1)
+    tracker = cpu_stand_ins._cpu_rng_tracker(seed=5, tp_rank=1)
     assert mc_random.get_cuda_rng_tracker() is tracker
     torch.manual_seed(0)
     outer_before = torch.get_rng_state()
@@ -132,16 +132,16 @@ def test_cpu_rng_tracker_forks_named_streams_and_restores_the_outer_state():
     with tracker.fork():
         second = torch.rand(3)
     assert not torch.equal(first, second)  # the stream advances between forks
-    again = device._cpu_rng_tracker(seed=5, tp_rank=1)
+    again = cpu_stand_ins._cpu_rng_tracker(seed=5, tp_rank=1)
     with again.fork():
         assert torch.equal(torch.rand(3), first)  # same seed and tp rank -> same stream
-    other_tp = device._cpu_rng_tracker(seed=5, tp_rank=0)
+    other_tp = cpu_stand_ins._cpu_rng_tracker(seed=5, tp_rank=0)
     with other_tp.fork():
         assert not torch.equal(torch.rand(3), first)  # TP ranks draw different dropout masks
 
 
 def test_cpu_memory_buffer_reuses_and_grows():
-    buffer = device._cpu_global_memory_buffer()
+    buffer = cpu_stand_ins._cpu_global_memory_buffer()
     a = buffer.get_tensor((2, 3), torch.float32, "mpu")
     b = buffer.get_tensor((3, 2), torch.float32, "mpu")
     assert a.device.type == "cpu" and a.data_ptr() == b.data_ptr()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.app.device import _cpu_rng_tracker
+from megatron.app.cpu_stand_ins import _cpu_rng_tracker
 from megatron.fbd.runner import rng_restore, rng_snapshot
 
 

@@ -23,6 +23,17 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
 ITERATION = re.compile(r" iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
+def writable_hierarchy() -> tuple[int, Path] | None:
+    """(cgroup version, hierarchy) that `fault throttle` would use on this host, or None."""
+    from megatron.scan.fault import cgroups, targets
+
+    try:
+        quota = cgroups.CpuQuota(1.0, [])
+    except targets.FaultError:
+        return None
+    return quota.version, quota.hierarchy
+
+
 class FaultNotApplied(RuntimeError):
     """The fault tool stopped without applying its fault (its output says why)."""
 

@@ -14,22 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from fault_runs import writable_hierarchy
 from launch import ROOT, env, free_port
 from megatron.scan.fault import cgroups, targets
 
 CPU = Path("/sys/fs/cgroup/cpu")
 
 
-def _writable_hierarchy() -> tuple[int, Path] | None:
-    """(cgroup version, hierarchy) that `fault throttle` would use on this host, or None."""
-    try:
-        quota = cgroups.CpuQuota(1.0, [])
-    except targets.FaultError:
-        return None
-    return quota.version, quota.hierarchy
-
-
-HIERARCHY = _writable_hierarchy()
+HIERARCHY = writable_hierarchy()
 cgroup_writable = pytest.mark.skipif(HIERARCHY is None, reason="needs a writable cgroup cpu hierarchy (root; v1 "
                                      "/sys/fs/cgroup/cpu, or v2 /sys/fs/cgroup with the cpu controller)")
 SPINNER = "import threading, time\n" \

@@ -11,19 +11,11 @@ import sys
 
 import pytest
 
+from fault_runs import writable_hierarchy
 from launch import ROOT, env, free_port, python
-from megatron.scan.fault import cgroups, targets
 
 SCRIPT = ROOT / "examples" / "megatron_core" / "train_loop.py"
 MICROBATCHES = 4
-
-
-def _cgroup_writable() -> bool:
-    try:
-        cgroups.CpuQuota(1.0, [])
-    except targets.FaultError:
-        return False
-    return True
 
 
 def _launch(trace_dir, layout: list[str], iterations: int, throttle_rank: int | None = None):
@@ -50,7 +42,7 @@ def _launch(trace_dir, layout: list[str], iterations: int, throttle_rank: int | 
 
 @pytest.fixture(scope="module")
 def pp2_dp2_throttled(tmp_path_factory):
-    if not _cgroup_writable():
+    if writable_hierarchy() is None:
         pytest.skip("needs a writable cgroup cpu hierarchy (root; v1 /sys/fs/cgroup/cpu or v2 with the cpu controller)")
     return _launch(tmp_path_factory.mktemp("mcore_pp2_dp2"), ["--pipeline-model-parallel-size", "2"], 14,
                    throttle_rank=3)

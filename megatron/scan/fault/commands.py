@@ -1,16 +1,4 @@
-"""`python -m megatron.scan fault ...`: faults applied from outside a running job, for validating
-slow-rank detection the way real slowness arrives (nothing in the process knows). A rank is found
-by the `RANK` in its workers' environment (or by PID); the job never cooperates.
-
-    throttle --rank R --cpu-fraction F   cgroup CPU quota on every thread of rank R (v1 or v2)
-    freeze --rank R / thaw --rank R      SIGSTOP / SIGCONT
-    kill --rank R [--signal S]           SIGKILL (or S)
-    release [--rank R]                   undo what a killed `throttle` left behind
-    list                                 the ranks of the jobs on this host
-
-`throttle` and `freeze` hold until Ctrl-C (or SIGTERM), `--for SECONDS`, or the rank's processes
-are gone, then undo what they did: threads back in their own cgroup, the fault group removed, a
-frozen rank continued."""
+"""The `fault` command line: its subcommands (see the package docstring) and what each does."""
 from __future__ import annotations
 
 import argparse
@@ -188,7 +176,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = __doc__.split("\n\n")[0]
+    import megatron.scan.fault as package
+
+    parser.description = package.__doc__.split("\n\n")[0]
     actions = parser.add_subparsers(dest="fault_action", required=True)
 
     def target(p: argparse.ArgumentParser, *, waits: bool) -> None:
