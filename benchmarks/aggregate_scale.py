@@ -21,11 +21,15 @@ from megatron.scan.synthetic import SyntheticRun, generate  # noqa: E402
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tp", type=int, default=8)
-    parser.add_argument("--pp", type=int, default=8)
-    parser.add_argument("--dp", type=int, default=16)
-    parser.add_argument("--iterations", type=int, default=2)
-    parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--tp", type=int, default=8, help="tensor-parallel size of the synthetic job (default 8)")
+    parser.add_argument("--pp", type=int, default=8,
+                        help="pipeline-parallel size of the synthetic job (default %(default)s)")
+    parser.add_argument("--dp", type=int, default=16,
+                        help="data-parallel size of the synthetic job (default %(default)s)")
+    parser.add_argument("--iterations", type=int, default=2,
+                        help="training iterations in the synthetic traces (default %(default)s)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count(),
+                        help="processes loading rank files (default: the CPU count, %(default)s)")
     parser.add_argument("--keep", default=None, help="generate into this directory and keep it")
     args = parser.parse_args()
     directory = Path(args.keep or tempfile.mkdtemp(prefix="megascan-scale-"))

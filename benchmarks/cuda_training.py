@@ -62,15 +62,17 @@ def schedule_ms(args, mode: str, bf16: bool) -> tuple[float, list]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--iters", type=int, default=30, help="training iterations per run (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=5, help="iterations left out of the timing")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--mbs", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--layers", type=int, default=12, help="transformer layers (default %(default)s)")
+    parser.add_argument("--hidden", type=int, default=768, help="hidden size (default %(default)s)")
+    parser.add_argument("--heads", type=int, default=12, help="attention heads (default %(default)s)")
+    parser.add_argument("--seq", type=int, default=1024, help="sequence length in tokens (default %(default)s)")
+    parser.add_argument("--mbs", type=int, default=4, help="micro-batch size in samples (default %(default)s)")
+    parser.add_argument("--microbatches", type=int, default=8,
+                        help="microbatches per iteration; global batch = mbs x microbatches (default %(default)s)")
+    parser.add_argument("--vocab", type=int, default=50257,
+                        help="vocabulary size of the mock data (default %(default)s)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/cuda_training.py needs a CUDA GPU")

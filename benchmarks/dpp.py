@@ -53,10 +53,14 @@ def run(layout: str, scenario: list[str], schedule: str, iters: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
-    parser.add_argument("--iters", type=int, default=8)
-    parser.add_argument("--link-delay-ms", type=float, default=20.0)
-    parser.add_argument("--slowdown", type=float, default=1.5)
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS),
+                        help="parallel layouts to run (default: all)")
+    parser.add_argument("--iters", type=int, default=8,
+                        help="training iterations per run; the first two are left out (default %(default)s)")
+    parser.add_argument("--link-delay-ms", type=float, default=20.0,
+                        help="delay of the perturbed pipeline link, in ms (default %(default)s)")
+    parser.add_argument("--slowdown", type=float, default=1.5,
+                        help="compute slowdown factor of the slow middle-stage rank (default %(default)s)")
     args = parser.parse_args()
     print(f"4 CPU ranks, {os.cpu_count()} cores; median iteration ms of iterations 3..{args.iters}; "
           f"ratio = schedule / static 1F1B in the same scenario")

@@ -32,14 +32,16 @@ def added_mib(record: dict) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--iters", type=int, default=12)
+    parser.add_argument("--nproc", type=int, default=4, help="CPU ranks of both runs (default %(default)s)")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default %(default)s)")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size (default %(default)s)")
+    parser.add_argument("--layers", type=int, default=4, help="transformer layers (default %(default)s)")
+    parser.add_argument("--seq", type=int, default=256, help="sequence length in tokens (default %(default)s)")
+    parser.add_argument("--micro-batch", type=int, default=4, help="micro-batch size in samples (default %(default)s)")
+    parser.add_argument("--global-batch", type=int, default=32,
+                        help="global batch size in samples (default %(default)s)")
+    parser.add_argument("--iters", type=int, default=12,
+                        help="training iterations per run; the first two are left out (default %(default)s)")
     args = parser.parse_args()
     common = [
         "--num-layers", str(args.layers), "--hidden-size", str(args.hidden), "--num-attention-heads", "8",

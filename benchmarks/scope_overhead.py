@@ -71,11 +71,13 @@ def timed(fn) -> tuple[float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=15,
+                        help="timed rounds of plain vs MegaScope generation (default %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run (default %(default)s)")
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="tokens in the prompt (default %(default)s)")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size of the random model (default %(default)s)")
+    parser.add_argument("--layers", type=int, default=4,
+                        help="transformer layers of the random model (default %(default)s)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, generator = build(args)

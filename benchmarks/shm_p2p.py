@@ -156,13 +156,16 @@ def human(size: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--transport", choices=["shm", "tcp"], default="shm")
+    parser.add_argument("--transport", choices=["shm", "tcp"], default="shm",
+                        help="shm: shared memory (TCP as fallback); tcp: the TCP transport only (default %(default)s)")
     parser.add_argument("--threads", type=int, default=0,
                         help="send and receive threads per rank (default: chosen by CPU count)")
     parser.add_argument("--workload-kib", type=int, default=256, help="chunk size (KiB)")
-    parser.add_argument("--spin-us", type=int, default=50)
+    parser.add_argument("--spin-us", type=int, default=50,
+                        help="receive threads poll this many microseconds before sleeping (default %(default)s)")
     parser.add_argument("--budget-mib", type=int, default=1024, help="bytes streamed per size and transport")
-    parser.add_argument("--latency-iters", type=int, default=2000)
+    parser.add_argument("--latency-iters", type=int, default=2000,
+                        help="ping-pong round trips per latency message size (default %(default)s)")
     args = parser.parse_args()
 
     import socket

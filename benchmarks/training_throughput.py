@@ -42,10 +42,10 @@ def run(layout_args: list[str], args) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=20, help="training iterations per layout (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=3, help="iterations left out of the timing")
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--hidden-size", type=int, default=128, help="hidden size of the model (default %(default)s)")
+    parser.add_argument("--seq-length", type=int, default=128, help="sequence length in tokens (default %(default)s)")
     args = parser.parse_args()
     print(f"8-layer GPT, hidden {args.hidden_size}, seq {args.seq_length}, global batch 16 (micro 2), "
           f"4 CPU ranks over gloo, {os.cpu_count()} cores; iterations {args.warmup + 1}..{args.iters}")

@@ -28,7 +28,7 @@ def main() -> int:
     from megatron.scan.detect.cli import run_detect
 
     return run_detect(argparse.Namespace(jobs=args.jobs, run_id=args.run_id, output_dir=None, no_html=False,
-                                         no_what_if=False, json=False), args.benchmark_dir)
+                                         no_what_if=False, json=False, quiet=args.quiet), args.benchmark_dir)
 
 
 if __name__ == "__main__":

@@ -233,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize (default: text)")
     group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES,
+                       help="tokenizer the documents are encoded with (as pretrain_gpt.py's --tokenizer-type)")
     group.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
     group.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")

@@ -10,9 +10,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="training steps (default %(default)s)")
     parser.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-ms in each step")
-    parser.add_argument("--slow-ms", type=float, default=0.0)
+    parser.add_argument("--slow-ms", type=float, default=0.0,
+                        help="milliseconds --slow-rank sleeps in each step (default %(default)s)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Sequence
 
@@ -9,7 +10,7 @@ from megatron.app import megatron_lm
 from megatron.app.config import (
     ConfigError,
     CheckpointConfig,
-    DataArgs,
+    DataConfig,
     LoggingConfig,
     ModelConfig,
     OptimizerConfig,
@@ -25,144 +26,246 @@ def build_parser(plugins: Sequence = ()) -> argparse.ArgumentParser:
         description="Train megatron-core's GPTModel with tensor, pipeline and data parallelism.",
         allow_abbrev=False,
     )
-    g = parser.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--pipeline-schedule", choices=["auto", "1f1b", "interleaved", "gpipe", "megatron-core"],
-                   default="auto",
-                   help="pipeline order run by this trainer's executor; auto = interleaved with virtual stages, "
-                        "else 1f1b. megatron-core: megatron-core's own get_forward_backward_func() (no "
-                        "pipelining, 1F1B or interleaved, by the parallel sizes) drives each iteration, "
-                        "on CPU and CUDA alike")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
-
-    g = parser.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=128)
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
-    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
-                   help="local: megatron-core's own layers (the only one here; transformer_engine is refused)")
-    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU), as in Llama")
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm", help="norm layers")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of the norm layers")
-    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (with --position-embedding-type rope)")
-    g.add_argument("--rotary-percent", type=float, default=1.0, help="fraction of each head's dims RoPE rotates")
+    # Groups named and ordered as Megatron-LM's arguments.py names them; a flag sits in the
+    # group where Megatron-LM puts it (this trainer's own flags where they fit best).
+    g = parser.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int, help="number of transformer layers (default %(default)s)")
+    g.add_argument("--hidden-size", type=int, help="transformer hidden size (default %(default)s)")
+    g.add_argument("--ffn-hidden-size", type=int,
+                   help="hidden size of the MLP (default 4 x --hidden-size)")
+    g.add_argument("--num-attention-heads", type=int,
+                   help="number of attention heads (default %(default)s)")
+    g.add_argument("--kv-channels", type=int, help="per-head dimension (default hidden / heads)")
     g.add_argument("--group-query-attention", action="store_true",
                    help="grouped-query attention with --num-query-groups key/value heads")
     g.add_argument("--num-query-groups", type=int, default=None, help="key/value heads with --group-query-attention")
-    g.add_argument("--kv-channels", type=int, default=None, help="per-head dimension (default hidden / heads)")
-    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers, as in Llama")
-    g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="weigh every token of the global batch equally: gradients of the summed token losses "
-                        "divided by the global batch's token count (default: each microbatch's mean, averaged)")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="positions the position embedding holds, in tokens (default --seq-length)")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
+                   help="learned absolute positions or rotary embeddings (default %(default)s)")
+    g.add_argument("--rotary-base", type=int, help="RoPE base (with --position-embedding-type rope)")
+    g.add_argument("--rotary-percent", type=float, help="fraction of each head's dims RoPE rotates")
+    g.add_argument("--make-vocab-size-divisible-by", type=int,
+                   help="pad the vocabulary up to a multiple of this many ids (default %(default)s)")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], help="norm layers")
+    g.add_argument("--norm-epsilon", type=float, help="epsilon of the norm layers")
     g.add_argument("--apply-layernorm-1p", action="store_true",
                    help="norm weights stored as gamma - 1 (start at 0, applied as 1 + weight)")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU), as in Llama")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="give the output layer its own weights instead of sharing the input embedding's")
 
-    g = parser.add_argument_group("mixed precision")
-    g.add_argument("--fp16", action="store_true",
-                   help="fp16 parameters and activations with fp32 master weights and loss scaling")
-    g.add_argument("--loss-scale", type=float, default=None, help="a fixed loss scale (default: dynamic)")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="first dynamic loss scale")
-    g.add_argument("--min-loss-scale", type=float, default=1.0, help="the dynamic scale never goes below this")
-    g.add_argument("--loss-scale-window", type=int, default=1000,
-                   help="iterations without overflow before the dynamic scale doubles")
-    g.add_argument("--hysteresis", type=int, default=2, help="overflows tolerated before the dynamic scale halves")
-
-    g = parser.add_argument_group("activation recomputation")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
-                   help="full: recompute whole layers in backward; selective: only the core attention")
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
-                   help="with full: uniform = every layer in blocks of --recompute-num-layers; block = the first "
-                        "--recompute-num-layers layers of each stage")
-    g.add_argument("--recompute-num-layers", type=int, default=None, help="see --recompute-method")
-    g.add_argument("--recompute-activations", action="store_true", help="same as --recompute-granularity selective")
+    g = parser.add_argument_group("regularization")
+    g.add_argument("--attention-dropout", type=float,
+                   help="dropout probability on the attention weights (default %(default)s)")
+    g.add_argument("--hidden-dropout", type=float,
+                   help="dropout probability at the end of each attention and MLP block (default %(default)s)")
+    g.add_argument("--weight-decay", type=float,
+                   help="AdamW decoupled weight-decay coefficient (default %(default)s)")
+    g.add_argument("--clip-grad", type=float,
+                   help="clip the global gradient L2 norm to this value; 0 turns clipping off (default %(default)s)")
+    g.add_argument("--adam-beta1", type=float,
+                   help="Adam coefficient of the gradient's running mean (default %(default)s)")
+    g.add_argument("--adam-beta2", type=float,
+                   help="Adam coefficient of the squared gradient's running mean (default %(default)s)")
+    g.add_argument("--adam-eps", type=float,
+                   help="term added to Adam's denominator for numerical stability (default %(default)s)")
 
     g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--global-batch-size", type=int, default=8)
+    g.add_argument("--micro-batch-size", type=int,
+                   help="samples per microbatch on each data-parallel rank (default %(default)s)")
+    g.add_argument("--global-batch-size", type=int,
+                   help="samples per optimizer step over all data-parallel ranks; the microbatches per step are "
+                        "global / (micro x data-parallel size) (default %(default)s)")
+    g.add_argument("--recompute-activations", action="store_true", help="same as --recompute-granularity selective")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="full: recompute whole layers in backward; selective: only the core attention")
+    g.add_argument("--recompute-method", choices=["uniform", "block"],
+                   help="with full: uniform = every layer in blocks of --recompute-num-layers; block = the first "
+                        "--recompute-num-layers layers of each stage")
+    g.add_argument("--recompute-num-layers", type=int, help="see --recompute-method")
     g.add_argument("--train-iters", type=int, default=None, help="optimizer steps (default 10)")
     g.add_argument("--train-samples", type=int, default=None,
                    help="train for this many samples instead: --train-iters = samples / global batch")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+    g.add_argument("--log-interval", type=int,
+                   help="print the loss and timing line every N iterations (default %(default)s)")
+    g.add_argument("--exit-interval", type=int,
+                   help="stop (after saving, if --save) once iteration %% N == 0")
+    g.add_argument("--exit-duration-in-mins", type=float,
                    help="stop (after saving, if --save) once training has run this many minutes")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    g.add_argument("--tensorboard-dir",
+                   help="write TensorBoard scalars (loss, learning rate, ...) to this directory (default: none)")
+    g.add_argument("--optimizer", choices=["adam"], default="adam",
+                   help="adam (AdamW with --weight-decay); the only optimizer here")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers, as in Llama")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"],
+                   help="local: megatron-core's own layers (the only one here; transformer_engine is refused)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="weigh every token of the global batch equally: gradients of the summed token losses "
+                        "divided by the global batch's token count (default: each microbatch's mean, averaged)")
     g.add_argument("--deterministic-mode", action="store_true",
                    help="bit-reproducible runs on CUDA: deterministic kernels only (torch.use_deterministic_algorithms, "
                         "CUBLAS_WORKSPACE_CONFIG, megatron-core's deterministic embedding, NCCL_ALGO=Ring unless set); "
                         "slower. CPU runs are deterministic without it")
-    g.add_argument("--exit-interval", type=int, default=None,
-                   help="stop (after saving, if --save) once iteration %% N == 0")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                   help="where to train: auto = cuda when torch sees a GPU, else cpu; also picks the process-group "
+                        "backend (cuda: nccl, cpu: gloo) (default %(default)s)")
 
-    g = parser.add_argument_group("optimizer")
-    g.add_argument("--lr", type=float, default=3e-4)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
-    g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warmup steps")
-    g.add_argument("--lr-warmup-fraction", type=float, default=None,
-                   help="warmup as a fraction of the decay steps (instead of --lr-warmup-iters)")
-    g.add_argument("--lr-warmup-samples", type=int, default=None, help="warmup in samples")
+    g = parser.add_argument_group("initialization")
+    g.add_argument("--seed", type=int,
+                   help="random seed of Python, NumPy and torch (weights, dropout, data order) (default %(default)s)")
+    g.add_argument("--init-method-std", type=float,
+                   help="standard deviation of the normal distribution weights start from (default %(default)s)")
+
+    g = parser.add_argument_group("learning rate")
+    g.add_argument("--lr", type=float,
+                   help="peak learning rate, reached after the warmup (default %(default)s)")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"],
+                   help="shape of the decay from --lr to --min-lr after the warmup (default %(default)s)")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="decay steps (default --train-iters)")
     g.add_argument("--lr-decay-samples", type=int, default=None, help="decay in samples")
-    g.add_argument("--decoupled-lr", type=float, default=None,
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of the decay steps (instead of --lr-warmup-iters)")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warmup steps")
+    g.add_argument("--lr-warmup-samples", type=int, default=None, help="warmup in samples")
+    g.add_argument("--min-lr", type=float,
+                   help="learning rate at the end of the decay and after it (default %(default)s)")
+    g.add_argument("--decoupled-lr", type=float,
                    help="peak learning rate of the embedding and output layer (same warmup and decay shape)")
-    g.add_argument("--decoupled-min-lr", type=float, default=None,
+    g.add_argument("--decoupled-min-lr", type=float,
                    help="final learning rate of the embedding and output layer (default --min-lr)")
-    g.add_argument("--optimizer", choices=["adam"], default="adam",
-                   help="adam (AdamW with --weight-decay); the only optimizer here")
-    g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="CUDA: shard optimizer state over data-parallel ranks; on CPU reported as not used")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-
-    g = parser.add_argument_group("data")
-    g.add_argument("--data-path", nargs="*", default=None)
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--mock-data", action="store_true")
-    g.add_argument("--tokenizer-type", default=None)
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="vocabulary size for --mock-data")
-    g.add_argument("--data-cache-path", default=None)
 
     g = parser.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None,
+    g.add_argument("--save",
+                   help="directory to write checkpoints to (every --save-interval, at the end and on exit); "
+                        "default: no checkpoints")
+    g.add_argument("--save-interval", type=int,
+                   help="with --save: also save every N iterations (default: only at the end and on exit)")
+    g.add_argument("--load",
                    help="resume from the latest checkpoint in DIR; a DIR without one starts from scratch")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="stop with an error when --load DIR holds no checkpoint")
-    g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr", "fsdp_dtensor"], default="torch",
                    help="torch: per-rank torch files, the only format written here (others are reported "
                         "at start-up and written as torch)")
 
+    g = parser.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 parameters and activations with fp32 master weights and loss scaling")
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
+    g.add_argument("--loss-scale", type=float, help="a fixed loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, help="first dynamic loss scale")
+    g.add_argument("--min-loss-scale", type=float, help="the dynamic scale never goes below this")
+    g.add_argument("--loss-scale-window", type=int,
+                   help="iterations without overflow before the dynamic scale doubles")
+    g.add_argument("--hysteresis", type=int, help="overflows tolerated before the dynamic scale halves")
+
+    g = parser.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int,
+                   help="ranks each layer's weights are split over (tensor parallelism) (default %(default)s)")
+    g.add_argument("--pipeline-model-parallel-size", type=int,
+                   help="pipeline stages the layers are split into (default %(default)s); the data-parallel size "
+                        "is world size / (tensor x pipeline)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
+                   help="layers per model chunk for the interleaved schedule: each stage holds several chunks "
+                        "(default: one chunk per stage)")
+    g.add_argument("--pipeline-schedule", choices=["auto", "1f1b", "interleaved", "gpipe", "megatron-core"],
+                   help="pipeline order run by this trainer's executor; auto = interleaved with virtual stages, "
+                        "else 1f1b. megatron-core: megatron-core's own get_forward_backward_func() (no "
+                        "pipelining, 1F1B or interleaved, by the parallel sizes) drives each iteration, "
+                        "on CPU and CUDA alike")
+    g.add_argument("--distributed-timeout-minutes", type=float,
+                   help="timeout of the process group's collectives, in minutes (default %(default)s)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="CUDA: shard optimizer state over data-parallel ranks; on CPU reported as not used")
+
+    g = parser.add_argument_group("validation")
+    g.add_argument("--eval-iters", type=int,
+                   help="global batches of the validation set per evaluation (default %(default)s)")
+    g.add_argument("--eval-interval", type=int,
+                   help="evaluate on the validation set every N iterations; 0 = never (default %(default)s)")
+
+    g = parser.add_argument_group("data and dataloader")
+    g.add_argument("--data-path", nargs="*",
+                   help="indexed dataset(s) as PREFIX [PREFIX ...] or WEIGHT PREFIX [WEIGHT PREFIX ...] "
+                        "(PREFIX.bin/.idx, as tools/preprocess_data.py writes them)")
+    g.add_argument("--split",
+                   help="train,validation,test weights the documents of --data-path are split by "
+                        "(default %(default)s)")
+    g.add_argument("--mock-data", action="store_true",
+                   help="train on synthetic token sequences instead of --data-path")
+    g.add_argument("--seq-length", type=int,
+                   help="tokens per training sample (default %(default)s)")
+    g.add_argument("--data-cache-path",
+                   help="directory for the dataset's index caches (default: beside the data, megatron-core's "
+                        "PREFIX/cache/GPTDataset_indices)")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="restart position ids at 0 after every end-of-document token in a sample")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="a per-sample attention mask that keeps tokens from attending across end-of-document "
+                        "tokens (builds the mask in the data loader)")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="leave end-of-document tokens out of the loss")
+
+    g = parser.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type",
+                   help="GPT2BPETokenizer, ByteLevelTokenizer or NullTokenizer (default: GPT2BPETokenizer with "
+                        "--vocab-file and --merge-file; NullTokenizer with --mock-data)")
+    g.add_argument("--vocab-file", help="GPT-2 BPE vocab.json (GPT2BPETokenizer)")
+    g.add_argument("--merge-file", help="GPT-2 BPE merges.txt (GPT2BPETokenizer)")
+    g.add_argument("--vocab-size", type=int, help="vocabulary size for --mock-data")
+
     g = parser.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--eval-interval", type=int, default=0)
-    g.add_argument("--eval-iters", type=int, default=0)
-    g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--log-throughput", action="store_true",
                    help="add model TFLOP/s per rank ('throughput per GPU') to the log line")
 
     megatron_lm.add_arguments(parser)
 
+    parser.set_defaults(**{dest: value for dest, value in section_defaults().items()
+                            if any(action.dest == dest for action in parser._actions)})
     for plugin in plugins:
         plugin.add_arguments(parser)
     return parser
+
+
+# Config fields that no flag of the same name sets: the value comes from other flags (or the run).
+_DERIVED: dict[type, tuple[str, ...]] = {
+    ParallelConfig: ("world_size",),
+    ModelConfig: ("max_position_embeddings", "vocab_size", "num_query_groups", "add_bias_linear",
+                  "recompute_granularity"),
+    OptimizerConfig: ("lr_warmup_iters", "lr_decay_iters"),
+    TrainingConfig: ("train_iters",),
+    CheckpointConfig: (),
+    LoggingConfig: (),
+    # The run's sizes the datasets are built for, from the training and model sections.
+    DataConfig: ("seq_length", "seed", "micro_batch_size", "global_batch_size", "data_parallel_size",
+                 "train_iters", "eval_iters", "eval_interval", "create_attention_mask"),
+}
+
+
+def section_defaults() -> dict[str, object]:
+    """Flag dest -> default, from the config sections: a flag mirroring a config field takes the
+    field's default, so each default is written once (in megatron/app/config.py)."""
+    defaults: dict[str, object] = {}
+    for section, derived in _DERIVED.items():
+        for item in dataclasses.fields(section):
+            if item.name in derived or item.default is dataclasses.MISSING:
+                continue
+            if item.name in defaults and defaults[item.name] != item.default:
+                raise AssertionError(f"config field {item.name} has two defaults: {defaults[item.name]!r} and "
+                                     f"{item.default!r} ({section.__name__})")
+            defaults[item.name] = item.default
+    return defaults
+
+
+def _section(section: type, args: argparse.Namespace, **derived):
+    """One config section: every field from the flag of the same name, except the derived ones."""
+    expected = set(_DERIVED[section])
+    if set(derived) != expected:
+        raise AssertionError(f"{section.__name__}: derived fields {sorted(derived)} != {sorted(expected)}")
+    values = {item.name: getattr(args, item.name) for item in dataclasses.fields(section)
+              if item.name not in expected and hasattr(args, item.name)}
+    return section(**values, **derived)
 
 
 def config_from_args(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
@@ -170,95 +273,34 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     train_iters, warmup_iters, decay_iters = _iteration_counts(args)
+    training = _section(TrainingConfig, args, train_iters=train_iters)
+    model = _section(
+        ModelConfig, args,
+        max_position_embeddings=args.max_position_embeddings or args.seq_length,
+        vocab_size=0,  # filled from the tokenizer
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        add_bias_linear=not args.disable_bias_linear,
+        recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
+    )
     return RunConfig(
-        parallel=ParallelConfig(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
-            world_size=world_size,
-        ),
-        model=ModelConfig(
-            num_layers=args.num_layers,
-            hidden_size=args.hidden_size,
-            num_attention_heads=args.num_attention_heads,
-            ffn_hidden_size=args.ffn_hidden_size,
-            seq_length=args.seq_length,
-            max_position_embeddings=args.max_position_embeddings or args.seq_length,
-            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            hidden_dropout=args.hidden_dropout,
-            attention_dropout=args.attention_dropout,
-            init_method_std=args.init_method_std,
-            bf16=args.bf16,
-            fp16=args.fp16,
-            transformer_impl=args.transformer_impl,
-            deterministic_mode=args.deterministic_mode,
-            swiglu=args.swiglu,
-            normalization=args.normalization,
-            norm_epsilon=args.norm_epsilon,
-            rotary_base=args.rotary_base,
-            rotary_percent=args.rotary_percent,
-            num_query_groups=args.num_query_groups if args.group_query_attention else None,
-            kv_channels=args.kv_channels,
-            add_bias_linear=not args.disable_bias_linear,
-            apply_layernorm_1p=args.apply_layernorm_1p,
-            calculate_per_token_loss=args.calculate_per_token_loss,
-            recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
-            recompute_method=args.recompute_method,
-            recompute_num_layers=args.recompute_num_layers,
-        ),
-        optimizer=OptimizerConfig(
-            lr=args.lr,
-            min_lr=args.min_lr,
-            lr_decay_style=args.lr_decay_style,
-            lr_warmup_iters=warmup_iters,
-            lr_decay_iters=decay_iters,
-            weight_decay=args.weight_decay,
-            clip_grad=args.clip_grad,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            adam_eps=args.adam_eps,
-            bf16=args.bf16,
-            fp16=args.fp16,
-            loss_scale=args.loss_scale,
-            initial_loss_scale=args.initial_loss_scale,
-            min_loss_scale=args.min_loss_scale,
-            loss_scale_window=args.loss_scale_window,
-            hysteresis=args.hysteresis,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-            decoupled_lr=args.decoupled_lr,
-            decoupled_min_lr=args.decoupled_min_lr,
-        ),
-        training=TrainingConfig(
-            micro_batch_size=args.micro_batch_size,
-            global_batch_size=args.global_batch_size,
-            train_iters=train_iters,
-            seed=args.seed,
-            log_interval=args.log_interval,
-            eval_interval=args.eval_interval,
-            eval_iters=args.eval_iters,
-            pipeline_schedule=args.pipeline_schedule,
-            device=args.device,
-            distributed_timeout_minutes=args.distributed_timeout_minutes,
-            exit_interval=args.exit_interval,
-            exit_duration_in_mins=args.exit_duration_in_mins,
-        ),
-        checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
-                                    exit_on_missing_checkpoint=args.exit_on_missing_checkpoint),
-        logging=LoggingConfig(tensorboard_dir=args.tensorboard_dir, log_throughput=args.log_throughput),
-        data=DataArgs(
-            data_path=args.data_path,
-            split=args.split,
-            mock_data=args.mock_data,
-            tokenizer_type=args.tokenizer_type,
-            vocab_file=args.vocab_file,
-            merge_file=args.merge_file,
-            vocab_size=args.vocab_size,
-            data_cache_path=args.data_cache_path,
-        ),
+        parallel=_section(ParallelConfig, args, world_size=world_size),
+        model=model,
+        optimizer=_section(OptimizerConfig, args, lr_warmup_iters=warmup_iters, lr_decay_iters=decay_iters),
+        training=training,
+        checkpoint=_section(CheckpointConfig, args),
+        logging=_section(LoggingConfig, args),
+        data=_section(DataConfig, args, seq_length=model.seq_length, seed=training.seed,
+                      micro_batch_size=training.micro_batch_size, global_batch_size=training.global_batch_size,
+                      data_parallel_size=1,  # set by the data builder, once plugins have fixed the layout
+                      train_iters=train_iters, eval_iters=training.eval_iters,
+                      eval_interval=training.eval_interval or None,
+                      create_attention_mask=args.reset_attention_mask),  # the mask is what gets reset
         args=args,
     )
+
+
+def _field_default(section: type, name: str):
+    return next(item.default for item in dataclasses.fields(section) if item.name == name)
 
 
 def _iteration_counts(args: argparse.Namespace) -> tuple[int, int, int | None]:
@@ -268,7 +310,7 @@ def _iteration_counts(args: argparse.Namespace) -> tuple[int, int, int | None]:
     if args.train_samples is not None and args.train_iters is not None:
         raise ConfigError("--train-iters and --train-samples were both given; pass one")
     train_iters = args.train_iters if args.train_iters is not None else (
-        args.train_samples // batch if args.train_samples is not None else 10)
+        args.train_samples // batch if args.train_samples is not None else _field_default(TrainingConfig, "train_iters"))
     decay_iters = args.lr_decay_iters
     if args.lr_decay_samples is not None:
         if decay_iters is not None:

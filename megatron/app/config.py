@@ -140,15 +140,33 @@ class LoggingConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class DataArgs:
-    data_path: list[str] | None = None
+class DataConfig:
+    """The data section: its own flags (paths, split, tokenizer, document masking) and the run's
+    sizes it builds datasets for (filled from the other sections by config_from_args)."""
+
+    data_path: list[str] | None = None  # "PREFIX ..." or "WEIGHT PREFIX WEIGHT PREFIX ..."
     split: str = "969,30,1"
     mock_data: bool = False
+    data_cache_path: str | None = None  # default: megatron-core's PREFIX/cache/GPTDataset_indices
+    seq_length: int = 1024
+    seed: int = 1234
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    data_parallel_size: int = 1
+    train_iters: int = 0
+    eval_iters: int = 0
+    eval_interval: int | None = None  # None: a single evaluation at the end
     tokenizer_type: str | None = None
     vocab_file: str | None = None
     merge_file: str | None = None
-    vocab_size: int | None = None
-    data_cache_path: str | None = None
+    vocab_size: int | None = None  # NullTokenizer ids without eod (Megatron-LM's --vocab-size)
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    # A [seq, seq] mask per sample is only worth building when documents must not attend across
+    # eod; otherwise one shared causal mask serves every sample (megatron-core's own fallback,
+    # transformer.utils.get_default_causal_mask, allocates it on CUDA, so a CPU trainer passes one).
+    create_attention_mask: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -159,7 +177,7 @@ class RunConfig:
     training: TrainingConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
-    data: DataArgs
+    data: DataConfig
     args: argparse.Namespace = field(repr=False)  # plugins read their own flags from here
 
     @property

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron.app.progress import SILENT, Reporter, reporter
+
 # Test suites and vendored third-party code are not the library's own prose.
 _SKIPPED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 _SHUFFLE_SEED = 1234
@@ -77,16 +79,18 @@ def _help_topics(root: Path) -> list[str]:
     return topics
 
 
-def iter_stdlib_documents(*, min_chars: int = 200, root: Path | None = None) -> Iterator[str]:
+def iter_stdlib_documents(*, min_chars: int = 200, root: Path | None = None,
+                          progress: Reporter = SILENT) -> Iterator[str]:
     """Documents of English text from the standard library, deduplicated, in a fixed order.
 
     The order is shuffled with a fixed seed so that a train/valid/test split by position is a
-    fair sample of all modules rather than the alphabetically last ones.
+    fair sample of all modules rather than the alphabetically last ones. `progress` counts the
+    files parsed (silent by default).
     """
     root = stdlib_root() if root is None else root
     seen: set[str] = set()
     documents: list[str] = []
-    for path in _python_files(root):
+    for path in progress.iterate("reading standard-library files", _python_files(root)):
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
@@ -107,7 +111,8 @@ def iter_stdlib_documents(*, min_chars: int = 200, root: Path | None = None) -> 
 
 
 def write_corpus(
-    output: str | os.PathLike, *, min_chars: int = 200, max_chars: int | None = None
+    output: str | os.PathLike, *, min_chars: int = 200, max_chars: int | None = None,
+    progress: Reporter = SILENT,
 ) -> CorpusStats:
     """Write the demo corpus as JSONL (atomically) and return what was written."""
     output = Path(output)
@@ -116,7 +121,7 @@ def write_corpus(
     documents = characters = 0
     try:
         with open(temporary, "w", encoding="utf-8") as stream:
-            for text in iter_stdlib_documents(min_chars=min_chars):
+            for text in iter_stdlib_documents(min_chars=min_chars, progress=progress):
                 if max_chars is not None and characters >= max_chars:
                     break
                 stream.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
@@ -134,6 +139,12 @@ def read_jsonl_texts(path: str | os.PathLike, key: str = "text") -> Iterator[str
         for line in stream:
             if line.strip():
                 yield json.loads(line)[key]
+
+
+def _counted(items: Iterator[str], step) -> Iterator[str]:
+    for item in items:
+        step.update()
+        yield item
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    stats = write_corpus(args.output, min_chars=args.min_chars, max_chars=args.max_chars)
+    # Progress lines go to stderr (MEGATRON_PROGRESS=0 silences them); the summaries stay on stdout.
+    progress = reporter("corpus")
+    stats = write_corpus(args.output, min_chars=args.min_chars, max_chars=args.max_chars, progress=progress)
     if stats.documents == 0:
         print(f"error: no documents of at least {args.min_chars} characters found", file=sys.stderr)
         return 1
@@ -168,9 +181,11 @@ def main(argv: list[str] | None = None) -> int:
 
         start = time.perf_counter()
         try:
-            vocab_path, merges_path = train_byte_level_bpe(
-                read_jsonl_texts(stats.path), args.train_tokenizer, vocab_size=args.vocab_size
-            )
+            # The trainer pulls the documents as it counts words (counted here), then computes the merges.
+            with progress.step("training the tokenizer, documents read", stats.documents) as step:
+                vocab_path, merges_path = train_byte_level_bpe(
+                    _counted(read_jsonl_texts(stats.path), step), args.train_tokenizer, vocab_size=args.vocab_size
+                )
             tokenizer = build_tokenizer("GPT2BPETokenizer", str(vocab_path), str(merges_path))
         except TokenizerError as error:
             print(f"error: {error}", file=sys.stderr)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy
 import torch
 
+from megatron.app.config import DataConfig  # noqa: F401  (the run config's data section, built from here)
 from megatron.app.tokenizer import MOCK_DEFAULT_VOCAB_SIZE, Tokenizer, build_tokenizer
 
 _PREPROCESS_HINT = (
@@ -31,31 +32,7 @@ class DataError(Exception):
     """The training data cannot be used as given; the message says which file and what to do."""
 
 
-@dataclass(kw_only=True, slots=True)
-class DataConfig:
-    data_path: list[str] | None = None  # "PREFIX ..." or "WEIGHT PREFIX WEIGHT PREFIX ..."
-    split: str = "969,30,1"
-    mock_data: bool = False
-    data_cache_path: str | None = None  # default: megatron-core's PREFIX/cache/GPTDataset_indices
-    seq_length: int = 1024
-    seed: int = 1234
-    micro_batch_size: int = 1
-    global_batch_size: int = 8
-    data_parallel_size: int = 1
-    train_iters: int = 0
-    eval_iters: int = 0
-    eval_interval: int | None = None  # None: a single evaluation at the end
-    tokenizer_type: str | None = None
-    vocab_file: str | None = None
-    merge_file: str | None = None
-    vocab_size: int | None = None  # NullTokenizer ids without eod (Megatron-LM's --vocab-size)
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    eod_mask_loss: bool = False
-    # A [seq, seq] mask per sample is only worth building when documents must not attend across
-    # eod; otherwise one shared causal mask serves every sample (megatron-core's own fallback,
-    # transformer.utils.get_default_causal_mask, allocates it on CUDA, so a CPU trainer passes one).
-    create_attention_mask: bool = False
+
 
 
 @dataclass(frozen=True, slots=True)

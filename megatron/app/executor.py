@@ -1,21 +1,22 @@
-"""Runs one iteration's pipeline schedule (a list of Tasks) on this rank's model chunks.
-
-Static orders (1F1B, interleaved) and any other task order run through the same executor;
-task kinds are dispatched through a handler table. P2P goes through a Transport.
+"""The one pipeline executor: runs a rank's iteration as actions (megatron.app.actions) on its
+model chunks, from a static order lowered by the IR's pass or from a dynamic order source
+(MegaDPP); actions are dispatched through a handler table and P2P goes through a Transport.
 """
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron.app.model import unwrap_model
 from megatron.app.observer import get_observer
-from megatron.app.schedule import PipelineLayout, Task, TaskKind, format_schedule
-from megatron.app.transport import Message, TorchDistributedTransport, Transport, message_tag
+from megatron.app.actions import Action, Op, lower
+from megatron.app.schedule import PipelineLayout, Task, format_schedule
+from megatron.app.transport import Message, TorchDistributedTransport, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +34,22 @@ class StageContext:
     dtype: torch.dtype
     device: torch.device
 
+    def empty_activation(self) -> torch.Tensor:
+        """A buffer for one activation or gradient message (every pipeline engine's one spec)."""
+        return torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+
+
+def activation_shape(cfg) -> tuple[int, int, int]:
+    """[seq, micro batch, hidden] of the tensor passed between pipeline stages."""
+    return (cfg.model.seq_length, cfg.training.micro_batch_size, cfg.model.hidden_size)
+
 
 @dataclass(slots=True)
 class IterationResult:
     losses: list[float] = field(default_factory=list)  # one per microbatch, last stage only
     num_tokens: int = 0
+    updated: bool = False  # set by the optimizer step action, when the iteration has one
+    grad_norm: float = 0.0
 
     @property
     def mean_loss(self) -> float | None:
@@ -56,51 +68,99 @@ class ScheduleExecutionError(RuntimeError):
     pass
 
 
-class PipelineExecutor:
-    """Executes tasks in the given order, receiving inputs and sending outputs as it goes.
+@dataclass(frozen=True, slots=True)
+class IterationSteps:
+    """What the step actions of an iteration do (the trainer supplies them): the data-parallel
+    gradient reduction, and the optimizer step returning (updated, grad norm). Both see the
+    iteration's result so far (losses, token count)."""
 
-    After each task, the output send and the receive of the next task's input are posted as
-    one batch; the executor blocks only on the input of the task it is about to run.
+    reduce_grads: Callable[[IterationResult], None]
+    optimizer_step: Callable[[IterationResult], tuple[bool, float]]
+
+
+class StaticOrder:
+    """The order source of the static schedules: the given tasks, lowered with just-in-time
+    receives."""
+
+    name = ""  # the trainer's start-up line names the static schedule itself
+
+    def program(self, executor: "PipelineExecutor", tasks: Sequence[Task], forward_only: bool,
+                step: bool) -> Iterable[Action]:
+        stage = executor.stage
+        return lower(stage.layout, stage.pp_rank, tasks, forward_only=forward_only, step=step)
+
+
+class PipelineExecutor:
+    """Runs one iteration's actions (megatron.app.actions) on this rank's model chunks.
+
+    An order source turns the iteration's tasks into actions: StaticOrder lowers a fixed order;
+    a dynamic source (MegaDPP) yields compute actions as it picks them, with the communication the
+    same pass derives. Consecutive SEND/RECV actions are posted as one batch before the next
+    compute action, which blocks only on its own input. Order sources may read `stage`,
+    `transport`, `forward_only`, `input_arrived(task)` and call `flush()`, `idle(timeout)` and
+    `defer(handles)`.
     """
 
     def __init__(self, chunks: Sequence[torch.nn.Module], stage: StageContext,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None, order=None) -> None:
         self.chunks = list(chunks)
         self.stage = stage
         self.transport = transport or TorchDistributedTransport()
+        self.order = order or StaticOrder()
         # --fp16: multiplies the last stage's loss by the loss scale before its backward.
         self.grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.per_token_loss = False  # --calculate-per-token-loss
-        self.handlers: dict[TaskKind, Callable[[Task, Callable[[int], Microbatch], bool], None]] = {
-            TaskKind.FORWARD: self._forward,
-            TaskKind.BACKWARD: self._backward,
+        self.handlers: dict[Op, Callable[[Action, Callable[[int], Microbatch]], None]] = {
+            Op.FORWARD: self._forward,
+            Op.BACKWARD: self._backward,
+            Op.SEND: self._queue_send,
+            Op.RECV: self._queue_receive,
+            Op.REDUCE_GRADS: self._reduce_grads,
+            Op.OPTIMIZER_STEP: self._optimizer_step,
         }
+        self.last_order: list[Task] = []  # compute tasks of the last iteration, in run order
+        self.last_actions: list[Action] = []  # every action of the last iteration, in run order
+        self.peak_stored_activations = 0  # over every iteration run so far
+        self.forward_only = False
+
+    @property
+    def schedule_name(self) -> str:
+        """What the trainer's start-up line prints as the schedule ("" for a static order)."""
+        return getattr(self.order, "name", "")
 
     # --- public -----------------------------------------------------------------------
     def run(self, tasks: Sequence[Task], get_microbatch: Callable[[int], Microbatch],
-            forward_only: bool = False) -> IterationResult:
-        if forward_only:
-            tasks = [t for t in tasks if t.kind is TaskKind.FORWARD]
+            forward_only: bool = False, steps: IterationSteps | None = None) -> IterationResult:
+        """One iteration: `tasks` is the static order (a dynamic order source uses only which kinds
+        run); with `steps` the iteration ends with the gradient reduction and the optimizer step."""
+        self.forward_only = forward_only
+        self._steps = steps
         self._result = IterationResult()
         self._stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        self._inbox: dict[Task, tuple[torch.Tensor, object]] = {}
+        self._inbox: dict[Task, tuple[torch.Tensor, object, dict]] = {}
         self._outbox: dict[Task, torch.Tensor] = {}
+        self._sends: list[tuple[Message, dict]] = []  # queued, posted with the next batch
+        self._receives: list[tuple[Task, Message, dict]] = []
         self._pending_sends: list = []
-        self._forward_only = forward_only
-        index = -1
+        self.last_order, self.last_actions = [], []
+        action = None
         try:
-            self._post(None, tasks[0] if tasks else None)
-            for index, task in enumerate(tasks):
-                self.handlers[task.kind](task, get_microbatch, forward_only)
-                self._post(task, tasks[index + 1] if index + 1 < len(tasks) else None)
+            for action in self.order.program(self, tasks, forward_only, steps is not None):
+                if action.is_compute or not action.is_communication:
+                    self.flush()
+                self.handlers[action.op](action, get_microbatch)
+                self.last_actions.append(action)
+                if action.is_compute:
+                    self.last_order.append(action.task)
+                    self.peak_stored_activations = max(self.peak_stored_activations, len(self._stored))
+            self.flush()
             for handle in self._pending_sends:
                 handle.wait()
         except Exception:
             logger.error(
-                "rank %d (pp rank %d) failed at task %s of schedule:\n  %s",
+                "rank %d (pp rank %d) failed at %s; ran: %s",
                 dist.get_rank() if dist.is_initialized() else 0, self.stage.pp_rank,
-                tasks[index] if 0 <= index < len(tasks) else "<start>",
-                _mark(tasks, index),
+                action if action is not None else "<start>", format_schedule(self.last_order) or "nothing",
             )
             raise
         finally:
@@ -109,42 +169,55 @@ class PipelineExecutor:
             self._outbox.clear()
         return self._result
 
+    # --- what order sources may use -----------------------------------------------------
+    def input_arrived(self, task: Task) -> bool:
+        """Whether `task`'s input is here: local, or its posted receive has completed."""
+        self.flush()
+        if task in self._inbox:
+            return self._inbox[task][1].is_completed()
+        return self.stage.layout.input_source(self.stage.pp_rank, task) is None
+
+    def idle(self, timeout_s: float) -> None:
+        """Nothing to run: sleep until any transfer completes (or `timeout_s`)."""
+        self.flush()
+        wait_any = getattr(self.transport, "wait_any", None)
+        if wait_any is not None:
+            wait_any(timeout_s)
+        else:
+            time.sleep(timeout_s / 5)
+
+    def defer(self, handles: Iterable) -> None:
+        """Handles of sends the order source posted itself, waited for at the iteration's end."""
+        self._pending_sends.extend(handles)
+
     # --- communication ----------------------------------------------------------------
-    def _post(self, done: Task | None, upcoming: Task | None) -> None:
-        layout, pp_rank = self.stage.layout, self.stage.pp_rank
-        observer = get_observer()
-        sends: list[Message] = []
-        recvs: list[Message] = []
-        send_attrs = recv_attrs = None
-        if done is not None and done in self._outbox:
-            dest = layout.output_destination(pp_rank, done)
-            tensor = self._outbox.pop(done)
-            if dest is not None and not self._skip(done):
-                peer_rank, peer_chunk = dest
-                tag = message_tag(done.kind.value, layout.virtual_stage(peer_rank, peer_chunk), done.microbatch,
-                                  layout.num_microbatches)
-                sends.append(Message(self.stage.pp_global_ranks[peer_rank], tag, tensor))
-                send_attrs = dict(peer=sends[0].peer, bytes=tensor.numel() * tensor.element_size(),
-                                  chunk=done.chunk, microbatch=done.microbatch, direction=done.kind.value)
-        if upcoming is not None:
-            source = layout.input_source(pp_rank, upcoming)
-            if source is not None:
-                peer_rank, _ = source
-                buffer = torch.empty(self.stage.activation_shape, dtype=self.stage.dtype, device=self.stage.device)
-                tag = message_tag(upcoming.kind.value, layout.virtual_stage(pp_rank, upcoming.chunk),
-                                  upcoming.microbatch, layout.num_microbatches)
-                recvs.append(Message(self.stage.pp_global_ranks[peer_rank], tag, buffer))
-                recv_attrs = dict(peer=recvs[0].peer, bytes=buffer.numel() * buffer.element_size(),
-                                  chunk=upcoming.chunk, microbatch=upcoming.microbatch,
-                                  direction=upcoming.kind.value)
-        if not sends and not recvs:
+    def _queue_send(self, action: Action, get_microbatch) -> None:
+        tensor = self._outbox.pop(action.task)
+        peer = self.stage.pp_global_ranks[action.peer]
+        self._sends.append((Message(peer, action.tag, tensor),
+                            dict(peer=peer, bytes=tensor.numel() * tensor.element_size(), chunk=action.task.chunk,
+                                 microbatch=action.task.microbatch, direction=action.task.kind.value)))
+
+    def _queue_receive(self, action: Action, get_microbatch) -> None:
+        buffer = self.stage.empty_activation()
+        peer = self.stage.pp_global_ranks[action.peer]
+        self._receives.append((action.task, Message(peer, action.tag, buffer),
+                               dict(peer=peer, bytes=buffer.numel() * buffer.element_size(), chunk=action.task.chunk,
+                                    microbatch=action.task.microbatch, direction=action.task.kind.value)))
+
+    def flush(self) -> None:
+        """Post the queued sends and receives as one batch (an order source calls it before it blocks
+        on anything but this executor)."""
+        if not self._sends and not self._receives:
             return
-        with observer.span("send", **send_attrs) if send_attrs else _nothing():
-            handles = self.transport.post(sends, recvs)
-        if sends:
-            self._pending_sends.append(handles[0])
-        if recvs:
-            self._inbox[upcoming] = (recvs[0].tensor, handles[-1], recv_attrs)
+        sends, receives = self._sends, self._receives
+        self._sends, self._receives = [], []
+        attrs = sends[0][1] if sends else None
+        with get_observer().span("send", **attrs) if attrs else _nothing():
+            handles = self.transport.post([m for m, _ in sends], [m for _, m, _ in receives])
+        self._pending_sends.extend(handles[:len(sends)])
+        for (task, message, recv_attrs), handle in zip(receives, handles[len(sends):]):
+            self._inbox[task] = (message.tensor, handle, recv_attrs)
 
     def _receive(self, task: Task) -> torch.Tensor | None:
         if task not in self._inbox:
@@ -154,12 +227,9 @@ class PipelineExecutor:
             handle.wait()
         return tensor
 
-    def _skip(self, task: Task) -> bool:
-        # In forward-only mode no backward will ever consume a gradient.
-        return self._forward_only and task.kind is TaskKind.BACKWARD
-
-    # --- task handlers ------------------------------------------------------------------
-    def _forward(self, task: Task, get_microbatch: Callable[[int], Microbatch], forward_only: bool) -> None:
+    # --- compute --------------------------------------------------------------------------
+    def _forward(self, action: Action, get_microbatch: Callable[[int], Microbatch]) -> None:
+        task, forward_only = action.task, self.forward_only
         chunk = self.chunks[task.chunk]
         with get_observer().span("data", microbatch=task.microbatch):
             batch = get_microbatch(task.microbatch)
@@ -187,7 +257,8 @@ class PipelineExecutor:
         if not forward_only:
             self._stored[(task.chunk, task.microbatch)] = (received, output)
 
-    def _backward(self, task: Task, get_microbatch: Callable[[int], Microbatch], forward_only: bool) -> None:
+    def _backward(self, action: Action, get_microbatch: Callable[[int], Microbatch]) -> None:
+        task = action.task
         stage_input, output = self._stored.pop((task.chunk, task.microbatch))
         grad_output = self._receive(task)
         if grad_output is None and self.grad_scale_func is not None:
@@ -197,6 +268,13 @@ class PipelineExecutor:
         if stage_input is not None:
             self._outbox[task] = stage_input.grad
 
+    # --- the iteration's end --------------------------------------------------------------
+    def _reduce_grads(self, action: Action, get_microbatch) -> None:
+        self._steps.reduce_grads(self._result)
+
+    def _optimizer_step(self, action: Action, get_microbatch) -> None:
+        self._result.updated, self._result.grad_norm = self._steps.optimizer_step(self._result)
+
 
 class _nothing:
     def __enter__(self):
@@ -204,10 +282,3 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
-
-
-def _mark(tasks: Sequence[Task], index: int) -> str:
-    text = format_schedule(tasks).split()
-    if 0 <= index < len(text):
-        text[index] = f"[{text[index]}]"
-    return " ".join(text)

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from megatron.app.executor import IterationResult, Microbatch, StageContext, microbatch_loss
+from megatron.app.executor import IterationResult, IterationSteps, Microbatch, StageContext, microbatch_loss
 from megatron.app.model import unwrap_model
 from megatron.app.observer import NullObserver, get_observer
 
@@ -32,8 +32,9 @@ class MegatronCoreSchedule:
         self.stage = stage
 
     def run(self, tasks, get_microbatch: Callable[[int], Microbatch],
-            forward_only: bool = False) -> IterationResult:
-        """`tasks` (this trainer's static order) is ignored: megatron-core decides the order."""
+            forward_only: bool = False, steps: IterationSteps | None = None) -> IterationResult:
+        """`tasks` (this trainer's static order) is ignored: megatron-core decides the order. With
+        `steps`, the gradient reduction and the optimizer step follow megatron-core's schedule."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         layout = self.stage.layout
@@ -76,6 +77,9 @@ class MegatronCoreSchedule:
                 micro_batch_size=micro_batch,
                 forward_only=forward_only,
             )
+        if steps is not None and not forward_only:
+            steps.reduce_grads(result)
+            result.updated, result.grad_norm = steps.optimizer_step(result)
         return result
 
 

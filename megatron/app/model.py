@@ -68,8 +68,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, num_chunks:
 
 
 def build_model_chunks(model_cfg: ModelConfig, parallel: ParallelConfig, num_chunks: int, seed: int,
-                       construction_context: Callable[[], ContextManager]) -> list[torch.nn.Module]:
-    """One GPTModel per virtual pipeline stage held by this rank (a single one without vpp)."""
+                       construction_context: Callable[[], ContextManager], *,
+                       pg_collection=None) -> list[torch.nn.Module]:
+    """One GPTModel per virtual pipeline stage held by this rank (a single one without vpp).
+    `pg_collection`: megatron-core's process groups to build with instead of its parallel state's
+    (MegaFBD's forward hosts build the chunk of another stage: its `pp` group says which)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -77,13 +80,21 @@ def build_model_chunks(model_cfg: ModelConfig, parallel: ParallelConfig, num_chu
     chunks = []
     for vp_stage in range(num_chunks):
         vp = vp_stage if num_chunks > 1 else None
+        if pg_collection is None:
+            first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+            last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+            groups = {}
+        else:
+            stage, stages = pg_collection.pp.rank(), pg_collection.pp.size()
+            first, last, groups = stage == 0, stage == stages - 1, {"pg_collection": pg_collection}
         with construction_context():
             chunk = GPTModel(
                 config=config,
                 transformer_layer_spec=layer_spec(model_cfg, config, vp),
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                pre_process=first,
+                post_process=last,
                 vp_stage=vp,
+                **groups,
                 **gpt_model_kwargs(model_cfg),
             )
         init_parallel_invariant(chunk, seed, model_cfg)

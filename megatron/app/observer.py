@@ -1,5 +1,8 @@
 """Instrumentation observer: the spine calls `span(kind, **attrs)` around every forward,
-backward, send, receive, grad sync and optimizer step. A no-op until a plugin installs one."""
+backward, send, receive, grad sync and optimizer step; MegaScan's collective wrappers report each
+finished torch.distributed collective (`collective`), and its watchdog a hang starting or ending
+(`hang`). A no-op until a plugin installs one; every installed observer (tracer, watchdog,
+metrics) gets every event, so plugins subscribe here rather than to each other."""
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +14,11 @@ class Observer(Protocol):
 
     def instant(self, kind: str, **attrs: Any) -> None: ...
 
+    # Optional: an observer without these methods does not receive those events.
+    def collective(self, op: str, group: Any, seq: int, start_ns: int, end_ns: int) -> None: ...
+
+    def hang(self, hung: bool) -> None: ...
+
 
 class NullObserver:
     """Default observer: costs one attribute lookup and a shared null context."""
@@ -21,6 +29,12 @@ class NullObserver:
         return self._null
 
     def instant(self, kind: str, **attrs: Any) -> None:
+        return None
+
+    def collective(self, op: str, group: Any, seq: int, start_ns: int, end_ns: int) -> None:
+        return None
+
+    def hang(self, hung: bool) -> None:
         return None
 
 
@@ -40,6 +54,18 @@ class FanOutObserver:
     def instant(self, kind: str, **attrs: Any) -> None:
         for observer in self.observers:
             observer.instant(kind, **attrs)
+
+    def collective(self, op: str, group: Any, seq: int, start_ns: int, end_ns: int) -> None:
+        for observer in self.observers:
+            method = getattr(observer, "collective", None)
+            if method is not None:
+                method(op, group, seq, start_ns, end_ns)
+
+    def hang(self, hung: bool) -> None:
+        for observer in self.observers:
+            method = getattr(observer, "hang", None)
+            if method is not None:
+                method(hung)
 
 
 _observer: Observer = NullObserver()
@@ -62,5 +88,33 @@ def set_observer(observer: Observer | None) -> None:
         _observer = FanOutObserver([_observer, observer])
 
 
+def remove_observer(observer: Observer) -> None:
+    """Uninstall one observer (a plugin's shutdown); the others stay."""
+    global _observer
+    if _observer is observer:
+        _observer = NullObserver()
+    elif isinstance(_observer, FanOutObserver) and observer in _observer.observers:
+        _observer.observers.remove(observer)
+
+
+def observing() -> bool:
+    """Whether any observer is installed (the collective wrappers skip their bookkeeping if not)."""
+    return not isinstance(_observer, NullObserver)
+
+
 def span(kind: str, **attrs: Any) -> contextlib.AbstractContextManager:
     return _observer.span(kind, **attrs)
+
+
+def collective(op: str, group: Any, seq: int, start_ns: int, end_ns: int) -> None:
+    """A finished collective, to every installed observer that takes collectives."""
+    method = getattr(_observer, "collective", None)
+    if method is not None:
+        method(op, group, seq, start_ns, end_ns)
+
+
+def hang(hung: bool) -> None:
+    """A hang started (True) or ended, to every installed observer that takes it."""
+    method = getattr(_observer, "hang", None)
+    if method is not None:
+        method(hung)

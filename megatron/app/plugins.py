@@ -1,6 +1,10 @@
 """Plugin contract and registry. A plugin adds its own flags, is enabled by one of them, and
 hooks into setup, each iteration, each optimizer step and shutdown; it may supply the
-pipeline executor or the P2P transport. The trainer never tests a plugin's flag."""
+pipeline executor or the P2P transport. The trainer never tests a plugin's flag, and no plugin
+reads another's: a plugin declares what it needs (`requires`), what it must follow (`after`),
+what it turns on (`enables`) and what it cannot run with (`conflicts`), and `resolve_plugins`
+checks and orders them; a plugin sees the other enabled plugins (`peers`) through their public
+attributes only."""
 from __future__ import annotations
 
 import argparse
@@ -8,17 +12,26 @@ import importlib
 import os
 from typing import Any, Callable
 
+from megatron.app.config import ConfigError
+
 
 class Plugin:
     """Base class with no-op hooks; subclasses override what they need."""
 
     name: str = "plugin"
+    flag: str = ""  # the flag that turns it on, for messages ("--trace")
+    requires: tuple[str, ...] = ()  # plugins that must be on and set up before this one
+    after: tuple[str, ...] = ()  # plugins set up before this one when they are on
+    enables: tuple[str, ...] = ()  # plugins turned on with this one unless their flags say no
+    conflicts: dict[str, str] = {}  # plugin name -> why the two cannot run together
+    peers: dict[str, "Plugin"] = {}  # the other enabled plugins by name, set by resolve_plugins
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Add an argument group with this plugin's flags."""
 
-    def enabled(self, args: argparse.Namespace) -> bool:
-        """Whether the flags turn this plugin on."""
+    def enabled(self, args: argparse.Namespace) -> bool | None:
+        """Whether the flags turn this plugin on; None: its flags do not say, so it is on only
+        when an enabled plugin lists it in `enables`."""
         return False
 
     def configure_layout(self, cfg) -> None:
@@ -63,6 +76,8 @@ class Plugin:
         """Whether this plugin supplies its own `hook` (e.g. "make_step_runner")."""
         return getattr(type(self), hook) is not getattr(Plugin, hook)
 
+    # Every iteration hook gets the same number: the index of the iteration (0 for the first; the
+    # training log prints index + 1).
     def before_iteration(self, ctx, iteration: int) -> None: ...
 
     def after_iteration(self, ctx, iteration: int, metrics: dict[str, Any]) -> None: ...
@@ -105,11 +120,72 @@ def available_plugins() -> list[Plugin]:
             importlib.import_module(module)
         except ImportError as exc:  # pragma: no cover - depends on optional extras
             print(f"[plugins] {module} unavailable: {exc}")
-    return [factory() for _, factory in sorted(_REGISTRY.items())]
+    return [factory() for factory in _REGISTRY.values()]  # registration order
+
+
+def _describe(name: str, candidates: dict[str, Plugin]) -> str:
+    plugin = candidates.get(name)
+    return f"the {name} plugin ({plugin.flag})" if plugin is not None and plugin.flag else f"the {name} plugin"
+
+
+def resolve_plugins(candidates: list[Plugin], args: argparse.Namespace) -> "PluginSet":
+    """The plugins the flags turn on (and those they enable), checked and ordered: a missing
+    requirement or a conflict is a ConfigError listing every problem; a plugin comes after what
+    it requires or follows, otherwise in registration order; a cycle is a ConfigError."""
+    by_name = {plugin.name: plugin for plugin in candidates}
+    decided = {plugin.name: plugin.enabled(args) for plugin in candidates}
+    on = {name for name, choice in decided.items() if choice}
+    grown = True
+    while grown:  # `enables` is transitive
+        grown = False
+        for name in list(on):
+            for other in by_name[name].enables:
+                if other in by_name and decided[other] is None and other not in on:
+                    on.add(other)
+                    grown = True
+    problems = []
+    for name in sorted(on, key=list(by_name).index):
+        plugin = by_name[name]
+        for needed in plugin.requires:
+            if needed not in on:
+                problems.append(f"{plugin.flag or name} needs {_describe(needed, by_name)}: add its flag")
+        for other, why in plugin.conflicts.items():
+            if other in on:
+                problems.append(f"{plugin.flag or name} cannot run with {_flag(other, by_name)}: {why}")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    ordered: list[Plugin] = []
+    placing: list[str] = []
+
+    def place(name: str) -> None:
+        if any(plugin.name == name for plugin in ordered):
+            return
+        if name in placing:
+            cycle = placing[placing.index(name):] + [name]
+            raise ConfigError(f"plugins depend on each other in a cycle: {' -> '.join(cycle)}")
+        placing.append(name)
+        plugin = by_name[name]
+        for before in (*plugin.requires, *plugin.after):
+            if before in on:
+                place(before)
+        placing.pop()
+        ordered.append(plugin)
+
+    for name in by_name:
+        if name in on:
+            place(name)
+    for plugin in ordered:
+        plugin.peers = {other.name: other for other in ordered if other is not plugin}
+    return PluginSet(ordered)
+
+
+def _flag(name: str, candidates: dict[str, Plugin]) -> str:
+    plugin = candidates.get(name)
+    return plugin.flag if plugin is not None and plugin.flag else name
 
 
 class PluginSet:
-    """The enabled plugins, called in registration order."""
+    """The enabled plugins, in the order resolve_plugins gave them (requirements first)."""
 
     def __init__(self, plugins: list[Plugin]) -> None:
         self.plugins = plugins

@@ -1,6 +1,9 @@
 """Dry-run pipeline simulator: runs one policy per rank (a static order or a dynamic chooser) on a cost
 model, without torch, and reports the timeline, bubbles, stored activations, deadlocks and a Chrome
-trace. `python -m megatron.app.simulator --help` for the command line."""
+trace. `python -m megatron.app.simulator --help` for the command line. Messages are the SEND/RECV
+actions of the pipeline IR (megatron.app.actions); megatron.app.simulator_actions runs whole
+action lists. Over 400 lines because the cost model, the event loop, its deadlock report and the
+command line that prints them are read together."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from megatron.app.actions import Op, receive_of, send_of
 from megatron.app.simulator_trace import to_chrome_trace, write_chrome_trace
 from megatron.app.schedule import (
     SCHEDULES,
@@ -264,6 +268,7 @@ def simulate(layout: PipelineLayout, policies: Sequence[Policy], costs: TaskCost
     transfers: list[TransferRecord] = []
     busy = [0.0 for _ in states]
     sequence = 0
+    consumers = receive_index(layout)
 
     def push(time: float, kind: int, rank: int, task: Task) -> None:
         nonlocal sequence
@@ -328,13 +333,13 @@ def simulate(layout: PipelineLayout, policies: Sequence[Policy], costs: TaskCost
                 input_arrives(rank, own_backward)  # the loss is computed locally, right after the forward
             elif task.is_forward and own_backward in arrived[rank]:
                 ready[rank].add(own_backward)
-            destination = layout.output_destination(rank, task)
-            if destination is not None:
-                peer_rank, peer_chunk = destination
-                peer_task = Task(task.kind, peer_chunk, task.microbatch)
-                arrival = now + costs.transfer_time(rank, peer_rank, task)
-                transfers.append(TransferRecord(rank, task, peer_rank, peer_task, now, arrival))
-                push(arrival, _ARRIVE, peer_rank, peer_task)
+            # The message the IR's lowering sends after this task, to the task whose RECV has its tag.
+            send = send_of(layout, rank, task)
+            if send is not None:
+                peer_task = consumers[(send.peer, rank, send.tag)]
+                arrival = now + costs.transfer_time(rank, send.peer, task)
+                transfers.append(TransferRecord(rank, task, send.peer, peer_task, now, arrival))
+                push(arrival, _ARRIVE, send.peer, peer_task)
 
     if any(state.remaining for state in states):
         raise _deadlock(layout, policies, states, ready, now, records)
@@ -348,6 +353,18 @@ def simulate(layout: PipelineLayout, policies: Sequence[Policy], costs: TaskCost
         busy_time=tuple(busy),
         peak_stored_activations=tuple(state.peak_stored_activations for state in states),
     )
+
+
+def receive_index(layout: PipelineLayout) -> dict[tuple[int, int, int], Task]:
+    """(receiving rank, sending rank, tag) -> the task that consumes the message, from the RECV
+    actions the IR's lowering gives every task of every rank."""
+    index = {}
+    for rank in range(layout.pp_size):
+        for task in layout.tasks():
+            receive = receive_of(layout, rank, task)
+            if receive is not None and receive.op is Op.RECV:
+                index[(rank, receive.peer, receive.tag)] = task
+    return index
 
 
 def simulate_schedule(name: str, layout: PipelineLayout, costs: TaskCosts | None = None) -> SimulationResult:
@@ -457,7 +474,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="multiply a rank's compute time, e.g. 2:1.5 (repeatable)")
     parser.add_argument("--jitter", type=float, default=0.0, help="relative compute jitter in [0, 1]")
     parser.add_argument("--link-jitter", type=float, default=0.0, help="relative transfer jitter in [0, 1]")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the jitter draws (default %(default)s)")
     parser.add_argument("--chrome-trace", metavar="PATH", help="write a Chrome trace JSON here")
     parser.add_argument("--print-schedule", action="store_true", help="print each rank's static order")
     return parser

@@ -21,12 +21,12 @@ from megatron.app.arguments import build_parser, config_from_args
 from megatron.app.config import ConfigError, RunConfig, validate
 from megatron.app.data import DataError
 from megatron.app.device import DeviceBackend, DeviceError, build_backend, enable_deterministic_mode
-from megatron.app.executor import PipelineExecutor, StageContext
+from megatron.app.executor import IterationResult, IterationSteps, PipelineExecutor, StageContext, activation_shape
 from megatron.app.logs import MetricsLogger, print_rank_0
 from megatron.app.mcore_schedule import MegatronCoreSchedule
 from megatron.app.model import build_model_chunks, count_parameters, unwrap_model
 from megatron.app.observer import span
-from megatron.app.plugins import PluginSet, available_plugins
+from megatron.app.plugins import PluginSet, available_plugins, resolve_plugins
 from megatron.app.schedule import PipelineLayout, build_schedule
 from megatron.app.tokenizer import TokenizerError
 from megatron.app.training_data import TrainingData
@@ -52,7 +52,6 @@ class TrainContext:
     stage: StageContext | None = None  # this rank's place in the pipeline, for any executor
     iteration: int = 0
     consumed_samples: int = 0
-    extras: dict = field(default_factory=dict)
     # A plugin that splits ranks into roles names this rank's role (e.g. in trace file names).
     role: str = ""
     # A secondary rank mirrors state held by another rank: it joins every collective, but prints
@@ -153,7 +152,7 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
         layout=ctx.layout,
         pp_rank=ctx.pp_rank,
         pp_global_ranks=dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()),
-        activation_shape=(cfg.model.seq_length, cfg.training.micro_batch_size, cfg.model.hidden_size),
+        activation_shape=activation_shape(cfg),
         dtype=cfg.model.params_dtype,
         device=backend.device,
     )
@@ -179,16 +178,20 @@ def default_executor(ctx: TrainContext):
 
 
 def train_step(ctx: TrainContext, plugins: PluginSet) -> dict[str, Any]:
+    """One iteration: the executor runs this rank's action list, which ends with the gradient
+    reduction and the optimizer step."""
     backend = ctx.backend
     iteration = ctx.iteration
     lr = set_learning_rate(ctx)
     backend.zero_grad(ctx.chunks)
     for chunk in ctx.chunks:
         chunk.train()
-    result = ctx.executor.run(ctx.schedule, lambda mb: ctx.data.train_microbatch(iteration, mb))
-    updated, grad_norm = sync_grads_and_step(ctx, plugins, iteration, result.num_tokens)
-    return {"lm loss": result.mean_loss, "grad norm": grad_norm, "learning rate": lr,
-            "updated": updated, "num_tokens": result.num_tokens,
+    steps = IterationSteps(reduce_grads=lambda result: reduce_grads(ctx, iteration, result.num_tokens),
+                           optimizer_step=lambda result: optimizer_step(ctx, plugins, iteration))
+    result: IterationResult = ctx.executor.run(ctx.schedule, lambda mb: ctx.data.train_microbatch(iteration, mb),
+                                               steps=steps)
+    return {"lm loss": result.mean_loss, "grad norm": result.grad_norm, "learning rate": lr,
+            "updated": result.updated, "num_tokens": result.num_tokens,
             "loss scale": ctx.optimizer.loss_scale if ctx.cfg.model.fp16 else None}
 
 
@@ -210,12 +213,23 @@ def set_learning_rate(ctx: TrainContext) -> float:
 def sync_grads_and_step(ctx: TrainContext, plugins: PluginSet, iteration: int,
                         num_tokens: int = 0) -> tuple[bool, float]:
     """Gradient sync over the data-parallel group, then the optimizer step, with the plugin hooks
-    around it; every step runner ends its iteration with this. Returns (updated, grad norm).
-    `num_tokens`: the loss tokens this rank's last stage saw (for --calculate-per-token-loss)."""
+    around it, for a step runner that does not end its iteration through the executor's step
+    actions. Returns (updated, grad norm). `num_tokens`: the loss tokens this rank's last stage
+    saw (for --calculate-per-token-loss)."""
+    reduce_grads(ctx, iteration, num_tokens)
+    return optimizer_step(ctx, plugins, iteration)
+
+
+def reduce_grads(ctx: TrainContext, iteration: int, num_tokens: int = 0) -> None:
+    """The REDUCE_GRADS action: data-parallel gradient sync (and the per-token division)."""
     with span("grad_sync", iteration=iteration):
         ctx.backend.finalize_grads(ctx.chunks)
         if ctx.cfg.model.calculate_per_token_loss:
             _divide_by_global_batch_tokens(ctx, num_tokens)
+
+
+def optimizer_step(ctx: TrainContext, plugins: PluginSet, iteration: int) -> tuple[bool, float]:
+    """The OPTIMIZER_STEP action, with the plugins' hooks around it: (updated, grad norm)."""
     plugins.call("before_optimizer_step", ctx, iteration)
     with span("optimizer", iteration=iteration):
         updated, grad_norm = ctx.optimizer.step()
@@ -285,7 +299,7 @@ def train(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
         ctx.consumed_samples += t.global_batch_size
         metrics["iteration_time"] = time.perf_counter() - started
         logger.record(ctx.iteration, metrics)
-        plugins.call("after_iteration", ctx, ctx.iteration, metrics)
+        plugins.call("after_iteration", ctx, ctx.iteration - 1, metrics)
         if t.eval_interval and ctx.iteration % t.eval_interval == 0:
             logger.validation(ctx.iteration, ctx.evaluator(ctx, ctx.iteration))
         c = cfg.checkpoint
@@ -331,7 +345,7 @@ def parse(argv: Sequence[str] | None = None) -> tuple[RunConfig, PluginSet]:
     parser = build_parser(candidates)
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
-    plugins = PluginSet([p for p in candidates if p.enabled(args)])
+    plugins = resolve_plugins(candidates, args)
     plugins.call("configure_layout", cfg)
     validate(cfg)
     _check_plugins_fit(cfg, plugins)

@@ -2,11 +2,12 @@
 data-parallel rank, with the causal mask added and moved to the training device."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
-from megatron.app.data import DataConfig, MicrobatchSource, build_microbatch_sources, tokenizer_from_config
+from megatron.app.data import MicrobatchSource, build_microbatch_sources, tokenizer_from_config
 
 
 @dataclass(kw_only=True)
@@ -21,15 +22,7 @@ class TrainingData:
 
     @classmethod
     def build(cls, cfg, dp_rank: int, device: torch.device) -> "TrainingData":
-        t, d = cfg.training, cfg.data
-        data_cfg = DataConfig(
-            data_path=d.data_path, split=d.split, mock_data=d.mock_data, data_cache_path=d.data_cache_path,
-            seq_length=cfg.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,
-            global_batch_size=t.global_batch_size, data_parallel_size=cfg.parallel.data_parallel_size,
-            train_iters=t.train_iters, eval_iters=t.eval_iters, eval_interval=t.eval_interval or None,
-            tokenizer_type=d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
-            vocab_size=d.vocab_size,
-        )
+        data_cfg = dataclasses.replace(cfg.data, data_parallel_size=cfg.parallel.data_parallel_size)
         tokenizer = tokenizer_from_config(data_cfg)
         train, valid, _ = build_microbatch_sources(data_cfg, tokenizer)
         return cls(train=train, valid=valid, vocab_size=tokenizer.vocab_size, dp_rank=dp_rank, device=device,

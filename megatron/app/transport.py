@@ -12,6 +12,8 @@ from typing import Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.app.actions import message_tag  # noqa: F401  (the one tag function; re-exported)
+
 
 @dataclass(frozen=True, slots=True)
 class Message:
@@ -35,13 +37,6 @@ class Transport(Protocol):
     def post(self, sends: Sequence[Message], recvs: Sequence[Message]) -> list[Handle]: ...
 
     def close(self) -> None: ...
-
-
-def message_tag(kind: str, virtual_stage: int, microbatch: int, num_microbatches: int) -> int:
-    """Unique per message of one iteration: activations and gradients of each microbatch
-    entering each virtual stage. Gloo matches on it; NCCL matches by order."""
-    index = virtual_stage * num_microbatches + microbatch
-    return 2 * index + (1 if kind == "B" else 0)
 
 
 class _DoneHandle:

@@ -11,7 +11,7 @@ from megatron.app.plugins import Plugin, register_plugin
 from megatron.app.schedule import PipelineLayout
 
 from .config import DppConfig, activation_bytes, check_policy, check_transport, parse_budget, parse_quantity
-from .executor import DynamicPipelineExecutor
+from .order import dpp_executor
 from .transport import TorchP2PTransport, make_shm_transport
 
 
@@ -27,6 +27,7 @@ def _size(text: str) -> int:
 @register_plugin
 class DppPlugin(Plugin):
     name = "dpp"
+    flag = "--use-dpp"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("MegaDPP dynamic pipeline")
@@ -49,7 +50,7 @@ class DppPlugin(Plugin):
                        help="allow verbs/TCP between hosts (default: shared memory on one host only)")
 
     def enabled(self, args: argparse.Namespace) -> bool:
-        return bool(getattr(args, "use_dpp", False))
+        return bool(args.use_dpp)
 
     def configure(self, cfg) -> None:
         args = cfg.args
@@ -94,8 +95,8 @@ class DppPlugin(Plugin):
         from megatron.core import parallel_state
 
         tp_ranks = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
-        return DynamicPipelineExecutor(ctx.chunks, ctx.stage, ctx.transport or self.make_transport(ctx),
-                                       policy=self.config.policy, budget=self.config.budget, tp_ranks=tp_ranks)
+        return dpp_executor(ctx.chunks, ctx.stage, ctx.transport or self.make_transport(ctx),
+                            policy=self.config.policy, budget=self.config.budget, tp_ranks=tp_ranks)
 
     def setup(self, ctx) -> None:
         budget = self.config.budget

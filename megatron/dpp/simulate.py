@@ -68,19 +68,26 @@ def format_table(rows: Sequence[Comparison]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron.dpp.simulate",
                                      description="Static schedule vs DPP policies on a simulated pipeline.")
-    parser.add_argument("--pp", type=int, required=True)
-    parser.add_argument("--chunks", type=int, default=1)
-    parser.add_argument("--microbatches", type=int, required=True)
-    parser.add_argument("--forward-ms", type=float, default=1.0)
-    parser.add_argument("--backward-ms", type=float, default=2.0)
-    parser.add_argument("--p2p-ms", type=float, default=0.0)
-    parser.add_argument("--link-ms", type=parse_link_latency, action="append", default=[], metavar="SRC:DST:MS")
-    parser.add_argument("--slow-rank", type=parse_slow_rank, action="append", default=[], metavar="RANK:FACTOR")
+    parser.add_argument("--pp", type=int, required=True, help="pipeline-parallel size (ranks)")
+    parser.add_argument("--chunks", type=int, default=1,
+                        help="model chunks (virtual stages) per rank (default %(default)s)")
+    parser.add_argument("--microbatches", type=int, required=True, help="microbatches per iteration")
+    parser.add_argument("--forward-ms", type=float, default=1.0,
+                        help="forward of one chunk on one microbatch, in ms (default %(default)s)")
+    parser.add_argument("--backward-ms", type=float, default=2.0,
+                        help="backward of one chunk on one microbatch, in ms (default %(default)s)")
+    parser.add_argument("--p2p-ms", type=float, default=0.0,
+                        help="latency of every link between ranks, in ms (default %(default)s)")
+    parser.add_argument("--link-ms", type=parse_link_latency, action="append", default=[], metavar="SRC:DST:MS",
+                        help="latency of one link, overriding --p2p-ms (repeatable)")
+    parser.add_argument("--slow-rank", type=parse_slow_rank, action="append", default=[], metavar="RANK:FACTOR",
+                        help="multiply a rank's compute time, e.g. 2:1.5 (repeatable)")
     parser.add_argument("--jitter", type=float, default=0.0, help="relative compute jitter in [0, 1]")
     parser.add_argument("--link-jitter", type=float, default=0.0, help="relative transfer jitter in [0, 1]")
     parser.add_argument("--seeds", type=int, default=20, help="jitter seeds to average over")
     parser.add_argument("--budget", type=int, default=None, help="stored activations per rank (all policies)")
-    parser.add_argument("--policy", choices=POLICY_NAMES, action="append", default=None)
+    parser.add_argument("--policy", choices=POLICY_NAMES, action="append", default=None,
+                        help="a DPP policy to compare with the static schedule (repeatable; default: all)")
     parser.add_argument("--chrome-trace", metavar="PATH", help="Chrome trace of the first policy, first seed")
     args = parser.parse_args(argv)
     policies = args.policy or list(POLICY_NAMES)

@@ -21,9 +21,12 @@ class MemoryProbe(Plugin):
     """`--memory-probe DIR`: write DIR/rank{N}.json at shutdown."""
 
     name = "memory_probe"
+    flag = "--memory-probe"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument_group("memory probe").add_argument("--memory-probe", default=None, metavar="DIR")
+        parser.add_argument_group("memory probe").add_argument(
+            "--memory-probe", default=None, metavar="DIR",
+            help="write each rank's resident memory, role and iteration times to DIR/rank{N}.json at the end")
 
     def enabled(self, args: argparse.Namespace) -> bool:
         return bool(args.memory_probe)

@@ -10,8 +10,9 @@ import torch.distributed as dist
 from megatron.app.config import ConfigError
 from megatron.app.plugins import Plugin, register_plugin
 from megatron.fbd.groups import create_groups, install_parallel_state
-from megatron.fbd.layout import FBDLayout, build_layout
-from megatron.fbd.runner import make_step
+from megatron.fbd.layout import FBDLayout, Instance, build_layout
+from megatron.fbd.runner import BackwardStep, ForwardStep
+from megatron.fbd.threads import ForwardHost, make_coordinator, weight_group
 
 
 def add_fbd_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,8 +32,9 @@ def add_fbd_arguments(parser: argparse.ArgumentParser) -> None:
                         "to DIR/{fwd,bwd}-replica{r}.jsonl (forward loss vs the backward's recomputation)")
 
 
-def layout_problems(cfg, layout_error: str | None) -> list[str]:
-    """Flag combinations FBD cannot run, each with the reason and what to do."""
+def layout_problems(cfg, layout_error: str | None, tracing: bool = False) -> list[str]:
+    """Flag combinations FBD cannot run, each with the reason and what to do (`tracing`: the
+    MegaScan tracer plugin is on)."""
     args, t, m = cfg.args, cfg.training, cfg.model
     problems = [layout_error] if layout_error else []
     if not args.forward_backward_disaggregating:
@@ -52,12 +54,9 @@ def layout_problems(cfg, layout_error: str | None) -> list[str]:
         problems.append(f"--num-layers-per-virtual-pipeline-stage with --forward-instances-per-process "
                         f"{args.forward_instances_per_process}: a forward host builds one model chunk per stage; "
                         "drop the virtual pipeline or host one forward instance per process")
-    if getattr(args, "use_dpp", False):
-        problems.append("--use-dpp: FBD replaces the whole step (forward instances run ahead), so a dynamic "
-                        "pipeline executor has nothing to schedule; use one or the other")
     if args.forward_instances_per_process > 1:
         n = args.forward_instances_per_process
-        if getattr(args, "trace", False):
+        if tracing:
             problems.append(f"--trace with --forward-instances-per-process {n}: the trace observer records one "
                             "track per process and is not thread-safe; trace with one instance per process")
     if args.ignore_forward_tensor_parallel:
@@ -73,6 +72,9 @@ class FBDPlugin(Plugin):
     """`--forward-backward-disaggregating`: forward and backward instances on separate ranks."""
 
     name = "fbd"
+    flag = "--forward-backward-disaggregating"
+    conflicts = {"dpp": "FBD replaces the whole step (forward instances run ahead), so a dynamic pipeline "
+                        "executor has nothing to schedule; use one or the other"}
 
     def __init__(self) -> None:
         self.layout: FBDLayout | None = None
@@ -95,7 +97,7 @@ class FBDPlugin(Plugin):
                                        cfg.args.forward_instances_per_process)
         except ConfigError as exc:
             layout_error = str(exc)
-        problems = layout_problems(cfg, layout_error)
+        problems = layout_problems(cfg, layout_error, tracing="scan" in self.peers)
         if problems:
             raise ConfigError("invalid configuration for forward-backward disaggregation:\n  " + "\n  ".join(problems))
         # The backward instances are the training mesh: tp x pp x dp/2; validation checks it.
@@ -152,3 +154,14 @@ class FBDPlugin(Plugin):
         coordinator = getattr(runner, "coordinator", None)
         if coordinator is not None:
             coordinator.close(timeout=60)
+
+
+def make_step(ctx, layout: FBDLayout, me: Instance):
+    """This rank's step runner: its forward or backward instance (a forward host of threads when
+    several forward instances share a process)."""
+    if layout.threaded:
+        coordinator = make_coordinator(layout)  # collective: every rank builds it, in the same order
+        if me.is_forward:
+            return ForwardHost(ctx, layout, coordinator)
+        return BackwardStep(ctx, layout, me, coordinator, weight_group(layout, me.replica, me.stage))
+    return (ForwardStep if me.is_forward else BackwardStep)(ctx, layout, me)

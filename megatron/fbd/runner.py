@@ -6,13 +6,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron.app.executor import microbatch_loss
+from megatron.app.actions import message_tag
+from megatron.app.executor import StageContext, activation_shape, microbatch_loss
 from megatron.app.model import unwrap_model
 from megatron.app.observer import span
+from megatron.app.schedule import PipelineLayout
+from megatron.app.train import learning_rate, set_learning_rate, sync_grads_and_step
 from megatron.app.transport import Message, TorchDistributedTransport
 from megatron.fbd.layout import FBDLayout, Instance
 
@@ -20,14 +23,10 @@ if TYPE_CHECKING:
     from megatron.fbd.coordinator import CommunicationCoordinator
     from megatron.fbd.threads import ForwardHost
 
-# Message kinds; a tag is kind + _KINDS * (microbatch + microbatches * receiving chunk), unique per
-# (sender, receiver) per iteration.
-_ACTIVATION, _STAGE_INPUT, _RNG, _GRAD, _WEIGHTS = range(5)
-_KINDS = 8
-
-
-def _tag(kind: int, microbatch: int = 0, chunk: int = 0, microbatches: int = 1) -> int:
-    return kind + _KINDS * (microbatch + microbatches * chunk)
+# What each message carries, as the pipeline IR's one tag function names it: an activation between
+# forward instances, a stage input and an RNG state from a forward instance to its backward
+# instance, a gradient between backward instances, weights from a backward instance.
+_ACTIVATION, _STAGE_INPUT, _RNG, _GRAD, _WEIGHTS = "F", "S", "R", "B", "W"
 
 
 # --- RNG state: what a forward pass draws from, packed into one byte tensor ----------------------
@@ -104,6 +103,17 @@ def load_weights(chunk: torch.nn.Module, flats: list[torch.Tensor], tp_size: int
             param.copy_(per_rank[0][index])
 
 
+def weight_contribution(layout: FBDLayout, tp_rank: int, flat: torch.Tensor) -> torch.Tensor:
+    """A backward instance's part of the weight hand-off all-reduce: its flat weights at its TP
+    rank's offset in a buffer of tp x its size (zeros elsewhere), so the sum over the group is
+    every TP shard side by side, as a merged forward instance loads them."""
+    if layout.tp == 1:
+        return flat
+    buffer = torch.zeros(layout.tp * flat.numel(), dtype=flat.dtype, device=flat.device)
+    buffer[tp_rank * flat.numel(): (tp_rank + 1) * flat.numel()] = flat
+    return buffer
+
+
 def _flat_weights(chunks: list[torch.nn.Module]) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for chunk in chunks for p in chunk.parameters()])
 
@@ -126,9 +136,12 @@ class _StepBase:
         self.transport = ctx.transport or TorchDistributedTransport()
         cfg = ctx.cfg
         self.num_microbatches = cfg.num_microbatches
-        self.activation_shape = (cfg.model.seq_length, cfg.training.micro_batch_size, cfg.model.hidden_size)
-        self.dtype = cfg.model.params_dtype
         self.device = ctx.backend.device
+        # The spine's activation spec (shape, dtype, device), as every pipeline engine uses it.
+        self.spec = StageContext(layout=PipelineLayout(layout.pp, len(self.chunks), cfg.num_microbatches),
+                                 pp_rank=me.stage, pp_global_ranks=[],
+                                 activation_shape=activation_shape(cfg), dtype=cfg.model.params_dtype,
+                                 device=self.device)
         self.is_last = me.stage == layout.pp - 1
         self.pending: list = []
 
@@ -143,7 +156,7 @@ class _StepBase:
         return buffer
 
     def _activation(self) -> torch.Tensor:
-        return torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+        return self.spec.empty_activation()
 
     def _forward(self, batch: dict, stage_input: torch.Tensor | None, chunk: int = 0) -> torch.Tensor:
         model = self.chunks[chunk]
@@ -165,8 +178,13 @@ class _StepBase:
             return None
         return v % self.layout.pp, v // self.layout.pp
 
-    def _tag(self, kind: int, microbatch: int, chunk: int) -> int:
-        return _tag(kind, microbatch, chunk, self.num_microbatches)
+    def _tag(self, payload: str, microbatch: int, chunk: int, stage: int | None = None) -> int:
+        """The tag of a message for `chunk` of `stage` (this stage by default) on `microbatch`."""
+        stage = self.me.stage if stage is None else stage
+        return message_tag(payload, chunk * self.layout.pp + stage, microbatch, self.num_microbatches)
+
+    def _weights_tag(self) -> int:
+        return message_tag(_WEIGHTS, 0, 0, self.num_microbatches)
 
     def _log_losses(self, iteration: int, losses: list[float]) -> None:
         """With --fbd-loss-log DIR, the last stage of each role appends every microbatch's loss
@@ -236,8 +254,8 @@ class ForwardStep(_StepBase):
                         host.put_activation(me, mb, output)
                     else:
                         peer = self.layout.forward_of(me.replica, following[0], me.tp_rank)
-                        self._send(peer, self._tag(_ACTIVATION, mb, following[1]), output, chunk=c, microbatch=mb,
-                                   direction="F")
+                        self._send(peer, self._tag(_ACTIVATION, mb, following[1], following[0]), output,
+                                   chunk=c, microbatch=mb, direction="F")
                 for rank in backward_ranks:
                     self._send(rank, self._tag(_RNG, mb, c), rng, chunk=c, microbatch=mb)
                     if stage_input is not None:
@@ -255,7 +273,7 @@ class ForwardStep(_StepBase):
         numel = self.weight_numel(len(backward_ranks))
         dtype = next(self.chunk.parameters()).dtype
         buffers = [torch.empty(numel, dtype=dtype, device=self.device) for _ in backward_ranks]
-        handles = self.transport.post([], [Message(r, _tag(_WEIGHTS), b) for r, b in zip(backward_ranks, buffers)])
+        handles = self.transport.post([], [Message(r, self._weights_tag(), b) for r, b in zip(backward_ranks, buffers)])
         with span("recv", peer=backward_ranks[0], bytes=numel * buffers[0].element_size() * len(buffers)):
             for handle in handles:
                 handle.wait()
@@ -284,16 +302,12 @@ class BackwardStep(_StepBase):
 
     def __call__(self, ctx, plugins) -> dict[str, Any]:
         iteration, backend, me = ctx.iteration, ctx.backend, self.me
-        from megatron.app.train import set_learning_rate, sync_grads_and_step
-
         lr = set_learning_rate(ctx)
         (forward_rank,) = self.layout.partners(me.rank)
         # The forward instance runs this iteration with exactly the weights we hold now.
         if self.coordinator is None:
-            self._send(forward_rank, _tag(_WEIGHTS), _flat_weights(self.chunks))
+            self._send(forward_rank, self._weights_tag(), _flat_weights(self.chunks))
         else:
-            from megatron.fbd.threads import weight_contribution
-
             with span("send", peer=forward_rank, payload="weights"):  # forward side adds zeros: a copy
                 self.coordinator.all_reduce(self.weight_group, 0,
                                             weight_contribution(self.layout, me.tp_rank, _flat_weights(self.chunks)))
@@ -331,8 +345,8 @@ class BackwardStep(_StepBase):
                     torch.autograd.backward(output, grad_tensors=grad_output)
                 if previous is not None:
                     peer = self.layout.backward_of(me.replica, previous[0], me.tp_rank)
-                    self._send(peer, self._tag(_GRAD, mb, previous[1]), stage_input.grad, chunk=c, microbatch=mb,
-                               direction="B")
+                    self._send(peer, self._tag(_GRAD, mb, previous[1], previous[0]), stage_input.grad,
+                               chunk=c, microbatch=mb, direction="B")
         updated, grad_norm = sync_grads_and_step(ctx, plugins, iteration)
         self._finish()
         self._log_losses(iteration, losses)
@@ -341,17 +355,4 @@ class BackwardStep(_StepBase):
 
 
 def _learning_rate(ctx) -> float:
-    from megatron.app.train import learning_rate
-
     return learning_rate(ctx.cfg, ctx.iteration)
-
-
-def make_step(ctx, layout: FBDLayout, me: Instance) -> Callable[[Any, Any], dict[str, Any]]:
-    if layout.threaded:
-        from megatron.fbd.threads import ForwardHost, make_coordinator, weight_group
-
-        coordinator = make_coordinator(layout)  # collective: every rank builds it, in the same order
-        if me.is_forward:
-            return ForwardHost(ctx, layout, coordinator)
-        return BackwardStep(ctx, layout, me, coordinator, weight_group(layout, me.replica, me.stage))
-    return (ForwardStep if me.is_forward else BackwardStep)(ctx, layout, me)

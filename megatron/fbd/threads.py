@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.app.model import gpt_model_kwargs, layer_spec, transformer_config, unwrap_model
+from megatron.app.model import build_model_chunks
 from megatron.fbd.coordinator import CommunicationCoordinator
 from megatron.fbd.layout import FBDLayout, Instance
 from megatron.fbd.runner import SCHEDULE_NAME, ForwardStep, load_chunk_weights
@@ -59,17 +59,6 @@ def coordinator_groups(layout: FBDLayout) -> list[list[tuple[int, int]]]:
     return groups
 
 
-def weight_contribution(layout: FBDLayout, tp_rank: int, flat: torch.Tensor) -> torch.Tensor:
-    """A backward instance's part of the weight hand-off all-reduce: its flat weights at its TP
-    rank's offset in a buffer of tp x its size (zeros elsewhere), so the sum over the group is
-    every TP shard side by side, as a merged forward instance loads them."""
-    if layout.tp == 1:
-        return flat
-    buffer = torch.zeros(layout.tp * flat.numel(), dtype=flat.dtype, device=flat.device)
-    buffer[tp_rank * flat.numel(): (tp_rank + 1) * flat.numel()] = flat
-    return buffer
-
-
 def make_coordinator(layout: FBDLayout) -> CommunicationCoordinator:
     """Collective over the world: the coordinator's rounds get their own process group, so they
     never interleave with the trainer's collectives on the default group."""
@@ -95,33 +84,18 @@ class ForwardHost:
         self.activations: list[queue.Queue] = [queue.Queue() for _ in instances]
 
     def _build_chunk(self, stage: int) -> torch.nn.Module:
-        """The model chunk of another stage. megatron-core reads the stage from the pipeline group
-        it is given (`group.rank()`: layer offset, first/last stage), so the chunk gets a
-        `_StageView` of this host's pipeline, and no embedding group: its tied output weight is
-        overwritten by the backward instance's weights before the first forward anyway."""
-        from megatron.core import parallel_state
-        from megatron.core.models.gpt import GPTModel
+        """The model chunk of another stage, through the trainer's model builder. megatron-core reads
+        the stage from the pipeline group it is given (`group.rank()`: layer offset, first/last
+        stage), so the chunk gets a `_StageView` of this host's pipeline, and no embedding group:
+        its tied output weight is overwritten by the backward instance's weights before the first
+        forward anyway."""
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        cfg, saved = self.ctx.cfg, parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK
-        m = cfg.model
+        cfg = self.ctx.cfg
         groups = ProcessGroupCollection.use_mpu_process_groups()
         groups.pp, groups.embd = _StageView(stage, self.layout.pp), None
-        parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK = stage
-        try:
-            with self.ctx.backend.model_construction():
-                config = transformer_config(m, cfg.parallel, 1)
-                chunk = GPTModel(
-                    config=config, transformer_layer_spec=layer_spec(m, config),
-                    pre_process=stage == 0, post_process=stage == self.layout.pp - 1, pg_collection=groups,
-                    **gpt_model_kwargs(m),
-                )
-        finally:
-            parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK = saved
-        if m.bf16 or m.fp16:
-            from megatron.core.transformer.module import Float16Module
-
-            chunk = Float16Module(chunk.config, chunk)
+        (chunk,) = build_model_chunks(cfg.model, cfg.parallel, 1, cfg.training.seed,
+                                      self.ctx.backend.model_construction, pg_collection=groups)
         return chunk.to(self.ctx.backend.device)
 
     # --- called by the ForwardStep threads ---------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron.app.progress import SILENT, Reporter
 from megatron.scan.align import Alignment, align
 from megatron.scan.chrome import write_chrome_trace
 from megatron.scan.load import GlobalTrace, load_directory
@@ -62,20 +63,26 @@ def collective_end_spread_us(trace: GlobalTrace, collectives: Collectives) -> np
 
 def aggregate(directory: str | os.PathLike, output: str | os.PathLike | None = None, *, jobs: int | None = None,
               run_id: str | None = None, allow_drift: bool = True, do_align: bool = True,
-              fitted: dict[tuple[int, int], tuple[float, float]] | None = None) -> Aggregation:
+              fitted: dict[tuple[int, int], tuple[float, float]] | None = None,
+              progress: Reporter = SILENT) -> Aggregation:
     """Run the whole pipeline; writes the Chrome trace to `output` when given. `fitted`: clock
-    corrections of windows aligned before (see align), reused instead of fitted again."""
+    corrections of windows aligned before (see align), reused instead of fitted again. `progress`
+    reports each step on stderr (the CLIs pass one; silent by default)."""
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    trace = load_directory(directory, jobs=jobs, run_id=run_id)
+    trace = load_directory(directory, jobs=jobs, run_id=run_id, progress=progress)
     timings["load"] = time.perf_counter() - started
     mark = time.perf_counter()
-    collectives = match_collectives(trace)
-    p2p = match_p2p(trace)
+    with progress.step("matching collectives and P2P messages", 2) as step:
+        collectives = match_collectives(trace)
+        step.update()
+        p2p = match_p2p(trace)
+        step.update()
     timings["match"] = time.perf_counter() - mark
     mark = time.perf_counter()
     if do_align:
-        alignment = align(trace, collectives, p2p, allow_drift=allow_drift, fitted=fitted)
+        with progress.step("aligning clocks", 0, unit=" solver steps") as step:
+            alignment = align(trace, collectives, p2p, allow_drift=allow_drift, fitted=fitted, progress=step)
     else:
         alignment = Alignment(ranks={}, model={}, anchors=0, unanchored=sorted(trace.ranks))
     timings["align"] = time.perf_counter() - mark
@@ -83,7 +90,7 @@ def aggregate(directory: str | os.PathLike, output: str | os.PathLike | None = N
     if output is not None:
         mark = time.perf_counter()
         summary = result.summary()
-        write_chrome_trace(trace, collectives, p2p, output, other_data={"megascan": summary})
+        write_chrome_trace(trace, collectives, p2p, output, other_data={"megascan": summary}, progress=progress)
         timings["emit"] = time.perf_counter() - mark
     timings["total"] = time.perf_counter() - started
     return result

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megatron.app.progress import Progress
 from megatron.scan.load import GlobalTrace
 from megatron.scan.match import Collectives, P2PLinks
 
@@ -136,13 +137,16 @@ class _Problem:
         means = np.divide(means, totals, out=np.zeros_like(means), where=totals > 0)
         return remaining - means[self.inst_index]
 
-    def fit(self, drift: bool, sigma: float | None = None) -> tuple[np.ndarray, np.ndarray, float]:
+    def fit(self, drift: bool, sigma: float | None = None, tick=None) -> tuple[np.ndarray, np.ndarray, float]:
         """IRLS with Huber weights; returns (unknowns, residuals, robust scale in µs). A given
-        `sigma` fixes the scale (so two models are judged by the same yardstick)."""
+        `sigma` fixes the scale (so two models are judged by the same yardstick). `tick()` is
+        called after each of the _IRLS_STEPS solves (progress)."""
         weights = self.prior.copy()
         scale = sigma or 1.0
         for _ in range(_IRLS_STEPS):
             x = self.solve(weights, drift)
+            if tick is not None:
+                tick()
             r = self.residuals(x, weights, drift)
             if sigma is None:
                 scale = max(1.4826 * float(np.median(np.abs(r))), 1.0)  # µs; below 1 µs is clock noise
@@ -157,7 +161,8 @@ def huber_loss(r: np.ndarray, scale: float) -> float:
 
 
 def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = None, *,
-          allow_drift: bool = True, fitted: dict[tuple[int, int], tuple[float, float]] | None = None) -> Alignment:
+          allow_drift: bool = True, fitted: dict[tuple[int, int], tuple[float, float]] | None = None,
+          progress: Progress | None = None) -> Alignment:
     """Estimate per-(rank, window) corrections and apply them to trace.columns start/end in place.
 
     `fitted`: {(rank, window): (offset µs, drift ppm)} from an earlier fit of the same files (online
@@ -169,7 +174,7 @@ def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = N
     when (by pass 1's clocks) the send was posted: such a receive finishes as the message lands,
     so send end and receive end are a 2-member anchor. Messages flow both ways between stages, so
     the transfer latency cancels; these anchors tie pipeline stages together far more densely than
-    the one or two collectives per iteration that span stages."""
+    the one or two collectives per iteration that span stages. `progress` counts the solver steps."""
     c = trace.columns
     anchor_instances = collectives.synchronous & ~collectives.op_mismatch & (collectives.members >= 2)
     rows = np.flatnonzero(collectives.row_instance >= 0)
@@ -177,7 +182,7 @@ def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = N
     known = _known_windows(trace, fitted or {})
     rows = rows[~np.isin(c["window"][rows], known)]
     instance = collectives.row_instance[rows]
-    report, models = _fit(trace, rows, instance, c["end"][rows], allow_drift)
+    report, models = _fit(trace, rows, instance, c["end"][rows], allow_drift, progress=progress)
     p2p_anchors = 0
     # Transfer latency is one-sided in an anchor; the per-link balancing cancels it on average
     # over the window, but not along time, where forward messages cluster early and backward ones
@@ -197,7 +202,7 @@ def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = N
             prior = np.concatenate([np.ones(len(rows)), weight[used], weight[used]])
             rows = np.concatenate([rows, send[used], recv[used]])
             instance = np.concatenate([instance, ids, ids])
-            report, models = _fit(trace, rows, instance, c["end"][rows], False, prior)
+            report, models = _fit(trace, rows, instance, c["end"][rows], False, prior, progress=progress)
             p2p_anchors = int(used.sum())
     for (rank, window), (offset, drift) in (fitted or {}).items():
         if window in known and rank in report:
@@ -243,7 +248,8 @@ def _balanced_link_weights(src: np.ndarray, dst: np.ndarray, window: np.ndarray)
 
 
 def _fit(trace: GlobalTrace, rows: np.ndarray, instance: np.ndarray, end: np.ndarray, allow_drift: bool,
-         prior: np.ndarray | None = None) -> tuple[dict[int, RankAlignment], dict[str, int]]:
+         prior: np.ndarray | None = None, progress: Progress | None = None
+         ) -> tuple[dict[int, RankAlignment], dict[str, int]]:
     """Fit every connected component of (rank, window) nodes linked by the anchors given as event
     rows, their anchor instance ids and their finish times (wall ns)."""
     c = trace.columns
@@ -265,19 +271,24 @@ def _fit(trace: GlobalTrace, rows: np.ndarray, instance: np.ndarray, end: np.nda
     d_us = (end - inst_min[inst_index]) / 1e3
     tau_s = (end - node_start[node]) / 1e9
     component = _components(node, instance, len(node_keys))
-    for comp in np.unique(component):
+    components, comp_sizes = np.unique(component, return_counts=True)
+    tick = None
+    if progress is not None:  # counted in solver steps: the fits of large components take seconds
+        progress.add_total(_IRLS_STEPS * int(sum(2 if allow_drift and n > 1 else 1 for n in comp_sizes.tolist())))
+        tick = progress.update
+    for comp in components:
         comp_nodes = np.flatnonzero(component == comp)
         n = len(comp_nodes)
         local = np.full(len(node_keys), -1)
         local[comp_nodes] = np.arange(n)
         mask = component[node] == comp
         problem = _Problem(local[node[mask]], instance[mask], d_us[mask], tau_s[mask], n, prior[mask])
-        x, r, sigma = problem.fit(drift=False)
+        x, r, sigma = problem.fit(drift=False, tick=tick)
         use_drift = False
         if allow_drift and n > 1:
             # Drift is kept only if it lowers the robust loss far more than its extra unknowns
             # would by chance (an F-like test with both fits on the offset fit's scale).
-            x1, r1, _ = problem.fit(drift=True, sigma=sigma)
+            x1, r1, _ = problem.fit(drift=True, sigma=sigma, tick=tick)
             loss0, loss1 = huber_loss(r, sigma), huber_loss(r1, sigma)
             dof = len(problem.d) - len(problem.sizes) - 2 * n
             if dof > 0 and loss1 > 0 and (loss0 - loss1) / n / (loss1 / dof) > _F_THRESHOLD:

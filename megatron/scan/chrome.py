@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron.app.progress import SILENT, Progress, Reporter
 from megatron.scan.load import GlobalTrace
 from megatron.scan.match import Collectives, P2PLinks
 from megatron.scan.trace_format import FLAG_ASYNC, FLAG_BACKWARD
@@ -32,13 +33,15 @@ def _us(ns: np.ndarray | int) -> np.ndarray:
 
 
 def write_chrome_trace(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks, path: str | os.PathLike,
-                       other_data: dict[str, Any] | None = None) -> dict[str, int]:
+                       other_data: dict[str, Any] | None = None, progress: Reporter = SILENT) -> dict[str, int]:
     """Stream the trace to `path` (written to a temporary name, then renamed). Returns counts."""
     c = trace.columns
+    # Progress counts events, then flow arrows: one per P2P link, one per collective row at most.
+    total = len(trace) + len(p2p.send_rows) + int(np.count_nonzero(collectives.row_instance >= 0))
     base = int(c["start"].min() // 1_000_000 * 1_000_000) if len(trace) else 0
     temporary = f"{path}.tmp"
     counts = {"events": 0, "flows": 0}
-    with open(temporary, "w") as out:
+    with open(temporary, "w") as out, progress.step("writing the merged trace", total, unit=" events") as step:
         out.write('{"traceEvents":[\n')
         first = [True]
 
@@ -47,8 +50,9 @@ def write_chrome_trace(trace: GlobalTrace, collectives: Collectives, p2p: P2PLin
             first[0] = False
 
         _metadata(trace, emit)
-        counts["events"] = _complete_events(trace, collectives, p2p, base, emit)
-        counts["flows"] = _flows(trace, collectives, p2p, base, emit)
+        counts["events"] = _complete_events(trace, collectives, p2p, base, emit, step)
+        counts["flows"] = _flows(trace, collectives, p2p, base, emit, step)
+        step.set(total)
         out.write("\n],\n")
         tail = {"displayTimeUnit": "ms",
                 "otherData": {"time_base_unix_ns": base, "producer": "megatron.scan", **(other_data or {})}}
@@ -77,7 +81,8 @@ def thread_of(trace: GlobalTrace) -> np.ndarray:
     return tid
 
 
-def _complete_events(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks, base: int, emit) -> int:
+def _complete_events(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks, base: int, emit,
+                     progress: Progress | None = None) -> int:
     c = trace.columns
     # A receive carries its message's transfer time (send posted -> receive complete) and the
     # effective bandwidth of that; the send span itself only measures posting the message.
@@ -93,7 +98,9 @@ def _complete_events(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks
     instance = collectives.row_instance
     members = collectives.members.tolist()
     expected = collectives.expected.tolist()
-    for i in order.tolist():
+    for n, i in enumerate(order.tolist()):
+        if progress is not None and not n & 0xFFF:
+            progress.update(4096 if n else 0)
         name = trace.names[columns["name"][i]]
         group = columns["group"][i]
         args: dict[str, Any] = {"iteration": columns["iteration"][i]}
@@ -126,14 +133,19 @@ def _complete_events(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks
     return len(order)
 
 
-def _flows(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks, base: int, emit) -> int:
+def _flows(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks, base: int, emit,
+           progress: Progress | None = None) -> int:
     c = trace.columns
     tid = thread_of(trace)
     middle = _us((c["start"] + c["end"]) // 2 - base)
     rank = c["rank"]
     flow_id = 0
+    if progress is not None:
+        progress.set(len(trace))
     for send, recv in zip(p2p.send_rows.tolist(), p2p.recv_rows.tolist()):
         flow_id += 1
+        if progress is not None and not flow_id & 0xFFF:
+            progress.update(4096)
         emit({"ph": "s", "id": flow_id, "name": "p2p", "cat": "p2p", "pid": int(rank[send]), "tid": int(tid[send]),
               "ts": float(middle[send])})
         emit({"ph": "f", "bp": "e", "id": flow_id, "name": "p2p", "cat": "p2p", "pid": int(rank[recv]),
@@ -150,6 +162,8 @@ def _flows(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks, base: in
             if hi == lo:
                 continue
             last = int(rows[hi])
+            if progress is not None:
+                progress.update(hi - lo + 1)
             for other in rows[lo:hi].tolist():
                 flow_id += 1
                 emit({"ph": "s", "id": flow_id, "name": "collective", "cat": "collective", "pid": int(rank[last]),

@@ -21,11 +21,13 @@ def add_aggregate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_aggregate(directory: str, output: str, args: argparse.Namespace) -> int:
+    from megatron.app.progress import reporter
     from megatron.scan.aggregate import aggregate
 
     try:
+        # Progress goes to stderr, never into the summary on stdout; --quiet or MEGATRON_PROGRESS=0 silences it.
         result = aggregate(directory, output, jobs=args.jobs, run_id=args.run_id, allow_drift=not args.no_drift,
-                           do_align=not args.no_align)
+                           do_align=not args.no_align, progress=reporter("aggregate", quiet=args.quiet))
     except AggregateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -65,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron.scan", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("aggregate", help="merge a trace directory into one Chrome trace")
-    p.add_argument("directory")
+    p.add_argument("directory", help="trace directory written by --trace (or by `launch`): one file per rank")
     p.add_argument("-o", "--output", default=None, help="Chrome trace to write (default: DIR/merged_trace.json)")
     add_aggregate_arguments(p)
     from megatron.scan import hang as hang_command

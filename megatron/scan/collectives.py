@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from megatron.app import observer as spine
 from megatron.scan.trace_format import FLAG_ASYNC
 
 # Collectives worth tracing. Object collectives (all_gather_object, ...) are left out on purpose:
@@ -115,7 +116,7 @@ class CollectiveObserver:
                 return original(*args, **kwargs)
             info.seq += 1
             recording = observer.recording
-            if not recording and not observer.listeners:
+            if not recording and not observer.listeners and not spine.observing():
                 return original(*args, **kwargs)
             seq = info.seq - 1
             size, dtype, async_op = 0, None, False
@@ -144,6 +145,7 @@ class CollectiveObserver:
                     observer.sink(op, start, end, size, dtype, info.gid, seq, FLAG_ASYNC if async_op else 0)
                 for listener in observer.listeners:
                     listener(op, info, seq, host_start, host_end)
+                spine.collective(op, info, seq, host_start, host_end)
 
         wrapper.__megascan_original__ = original  # type: ignore[attr-defined]
         wrapper.__megascan_observer__ = observer  # type: ignore[attr-defined]

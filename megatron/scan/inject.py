@@ -299,9 +299,10 @@ class DelayedTransport:
 @register_plugin
 class InjectPlugin(Plugin):
     name = "inject"
+    flag = "--inject-slowdown"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        g = parser.add_argument_group("fault injection (MegaScan validation)")
+        g = parser.add_argument_group("MegaScan fault injection (validation)")
         g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR[:START_ITER]",
                        help="make RANK's device FACTOR x slower from iteration START_ITER on: each transformer "
                             "layer's forward and backward takes FACTOR x as long; repeatable (factors compound)")

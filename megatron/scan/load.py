@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron.app.progress import SILENT, Reporter
 from megatron.scan.trace_format import INT_COLUMNS, RankFile, TraceFormatError, iter_trace_files, read_rank_file
 
 
@@ -57,20 +58,23 @@ def _read(path: str) -> RankFile | str:
         return str(exc)
 
 
-def read_all(paths: list[Path], jobs: int | None = None) -> list[RankFile | str]:
+def read_all(paths: list[Path], jobs: int | None = None, progress: Reporter = SILENT) -> list[RankFile | str]:
     """Parse files in parallel; an unreadable file comes back as its error message."""
     jobs = jobs or os.cpu_count() or 1
     jobs = min(jobs, len(paths))
     if jobs <= 1 or len(paths) < 4:
-        return [_read(str(p)) for p in paths]
+        return list(progress.iterate("loading rank files", (_read(str(p)) for p in paths), len(paths)))
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        return list(pool.map(_read, [str(p) for p in paths], chunksize=max(1, len(paths) // (jobs * 4))))
+        results = pool.map(_read, [str(p) for p in paths], chunksize=max(1, len(paths) // (jobs * 4)))
+        return list(progress.iterate("loading rank files", results, len(paths)))
 
 
-def load_directory(directory: str | os.PathLike, *, jobs: int | None = None, run_id: str | None = None) -> GlobalTrace:
+def load_directory(directory: str | os.PathLike, *, jobs: int | None = None, run_id: str | None = None,
+                   progress: Reporter = SILENT) -> GlobalTrace:
     """Read every rank file of one run. Missing, corrupt or torn files are warned about by name and
-    skipped; no readable file, or files of several runs without `run_id`, raise AggregateError."""
+    skipped; no readable file, or files of several runs without `run_id`, raise AggregateError.
+    `progress` reports reading and merging the files (silent by default)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise AggregateError(f"trace directory {directory} does not exist")
@@ -80,7 +84,7 @@ def load_directory(directory: str | os.PathLike, *, jobs: int | None = None, run
                              f"--trace-dir {directory}?")
     warnings: list[str] = []
     files: list[RankFile] = []
-    for result in read_all(paths, jobs):
+    for result in read_all(paths, jobs, progress):
         if isinstance(result, str):
             warnings.append(f"skipped {result}")
         else:
@@ -117,7 +121,7 @@ def load_directory(directory: str | os.PathLike, *, jobs: int | None = None, run
         if not f.ended:
             warnings.append(f"{f.path}: no end record (the rank stopped early or is still running); "
                             f"{len(f.windows)} complete window(s) used")
-    trace = merge(by_rank)
+    trace = merge(by_rank, progress)
     trace.warnings = warnings + trace.warnings
     trace.run_id = next(iter(by_rank.values())).header["run_id"]
     return trace
@@ -136,12 +140,12 @@ def _check_iterations(by_rank: dict[int, RankFile], warnings: list[str]) -> None
                             f"instances outside the common iterations are incomplete")
 
 
-def merge(by_rank: dict[int, RankFile]) -> GlobalTrace:
+def merge(by_rank: dict[int, RankFile], progress: Reporter = SILENT) -> GlobalTrace:
     """Concatenate per-rank columns, remapping each file's names and groups to global ids."""
     names: dict[str, int] = {}
     groups: dict[tuple, int] = {}
     parts: dict[str, list[np.ndarray]] = collections.defaultdict(list)
-    for rank in sorted(by_rank):
+    for rank in progress.iterate("merging rank files", sorted(by_rank)):
         f = by_rank[rank]
         name_map = np.array([names.setdefault(n, len(names)) for n in f.names] + [-1], dtype=np.int32)
         group_map = np.array([groups.setdefault((g["name"], tuple(g["ranks"]), g["desc"]), len(groups))

@@ -8,6 +8,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +72,14 @@ class RankMetrics:
         self._p2p = {d: (self._p2p_bytes.labels(self.rank, d), self._p2p_bandwidth.labels(self.rank, d))
                      for d in ("send", "recv")}
         self._compute_this_iteration = 0.0
+        self.last_progress = time.monotonic()  # any finished collective, span or iteration
+        self.stalled.set_function(lambda: max(0.0, time.monotonic() - self.last_progress))
         self.server = None
         self.port = None
 
     # --- feeding ------------------------------------------------------------------------
     def on_collective(self, op: str, info: GroupInfo, seq: int, start_ns: int, end_ns: int) -> None:
+        self.last_progress = time.monotonic()
         key = (op, info.gid)
         child = self._collectives.get(key)
         if child is None:
@@ -83,6 +87,7 @@ class RankMetrics:
         child.observe((end_ns - start_ns) * 1e-9)
 
     def on_span(self, kind: str, attrs: dict[str, Any], seconds: float) -> None:
+        self.last_progress = time.monotonic()
         child = self._spans.get(kind)
         if child is None:
             return
@@ -99,6 +104,7 @@ class RankMetrics:
 
     def on_iteration(self, metrics: dict[str, Any]) -> float:
         """Record one finished iteration; returns its compute seconds (for the suspect score)."""
+        self.last_progress = time.monotonic()
         self.iterations.inc()
         if metrics.get("iteration_time") is not None:
             self.iteration_seconds.observe(metrics["iteration_time"])
@@ -175,6 +181,12 @@ class MetricsSpans:
     def instant(self, kind: str, **attrs: Any) -> None:
         return None
 
+    def collective(self, op: str, group: GroupInfo, seq: int, start_ns: int, end_ns: int) -> None:
+        self.metrics.on_collective(op, group, seq, start_ns, end_ns)
+
+    def hang(self, hung: bool) -> None:
+        self.metrics.on_hang(hung)
+
 
 def suspect_scores(compute_seconds: list[float]) -> list[float]:
     """Each rank's compute time over the median of all ranks (ranks with no compute count as 1)."""
@@ -185,12 +197,23 @@ def suspect_scores(compute_seconds: list[float]) -> list[float]:
     return [c / median if c > 0 else 1.0 for c in compute_seconds]
 
 
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """The live-metrics section, from its flags."""
+
+    port: int  # PORT + local rank, or 0: an ephemeral port per rank
+    addr: str
+    score_interval: int  # iterations between suspect-score exchanges (0: never)
+
+
 @register_plugin
 class MetricsPlugin(Plugin):
     """`--metrics-port PORT`: every rank serves /metrics on PORT + its local rank (0: any free port,
     announced in DIR/metrics-targets-rank*.json for Prometheus file_sd)."""
 
-    name = "scan_metrics"  # after "scan" and "scan_watchdog": their observer and watchdog exist by setup
+    name = "scan_metrics"
+    flag = "--metrics-port"
+    after = ("scan", "scan_watchdog")  # their collective observer and watchdog exist by setup
 
     def add_arguments(self, parser) -> None:
         g = parser.add_argument_group("MegaScan live metrics")
@@ -205,6 +228,7 @@ class MetricsPlugin(Plugin):
 
     def configure(self, cfg) -> None:
         from megatron.app.config import ConfigError
+        from megatron.scan.plugin import output_directory
 
         args = cfg.args
         if not 0 <= args.metrics_port <= 65535:
@@ -215,7 +239,9 @@ class MetricsPlugin(Plugin):
             import prometheus_client  # noqa: F401
         except ImportError:
             raise ConfigError("--metrics-port needs the prometheus-client package (pip install prometheus-client)") from None
-        self.args = args
+        self.config = MetricsConfig(port=args.metrics_port, addr=args.metrics_addr,
+                                    score_interval=args.metrics_score_interval)
+        self.directory = output_directory(args)
         self.metrics = None
         self._window: list[float] = []
 
@@ -223,25 +249,21 @@ class MetricsPlugin(Plugin):
         from megatron.app.observer import set_observer
         from megatron.scan.watchdog import process_identity
 
-        args = self.args
+        config = self.config
         identity = process_identity(ctx.rank, ctx.cfg.parallel.world_size,
                                     {"dp": ctx.dp_rank, "pp": ctx.pp_rank, "tp": ctx.tp_rank})
         self.metrics = metrics = RankMetrics(identity)
-        port = 0 if args.metrics_port == 0 else args.metrics_port + identity["local_rank"]
-        metrics.serve(port, args.metrics_addr)
-        metrics.write_target(getattr(args, "trace_dir", "trace"))
+        port = 0 if config.port == 0 else config.port + identity["local_rank"]
+        metrics.serve(port, config.addr)
+        metrics.write_target(self.directory)
         print(f"[megascan] rank {ctx.rank}: metrics on :{metrics.port}/metrics", file=sys.stderr, flush=True)
-        shared_collective_observer().listeners.append(metrics.on_collective)
+        shared_collective_observer()  # collectives wrapped (by the tracer, or here), reported to observers
         set_observer(MetricsSpans(metrics))
-        watchdog = ctx.extras.get("watchdog")
-        if watchdog is not None:
-            watchdog.hang_listeners.append(metrics.on_hang)
-            metrics.stalled.set_function(watchdog.stalled_seconds)
 
     def after_iteration(self, ctx, iteration: int, metrics: dict[str, Any]) -> None:
         self._window.append(self.metrics.on_iteration(metrics))
-        interval = self.args.metrics_score_interval
-        if interval and iteration % interval == 0:
+        interval = self.config.score_interval
+        if interval and (iteration + 1) % interval == 0:
             self._exchange_scores(ctx)
 
     def _exchange_scores(self, ctx) -> None:

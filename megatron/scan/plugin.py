@@ -6,6 +6,7 @@ import argparse
 import atexit
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -30,6 +31,46 @@ def parse_clock_skew(text: str) -> tuple[int, float, float]:
         raise ValueError(f"--trace-clock-skew wants RANK:OFFSET_MS[:DRIFT_PPM] with numbers, got {text!r}") from None
 
 
+@dataclass(frozen=True, slots=True)
+class TraceConfig:
+    """MegaScan's typed section, from its flags: what the tracer records and where MegaScan's
+    plugins (tracer, watchdog, metrics, online detection) write."""
+
+    enabled: bool
+    directory: Path
+    interval: int
+    continuous: int
+    granularity: str
+    clock_skews: dict[int, tuple[float, float]]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "TraceConfig":
+        """Raise ConfigError listing every problem with the flags."""
+        problems = []
+        if args.trace_interval < 1:
+            problems.append(f"--trace-interval must be >= 1, got {args.trace_interval}")
+        if not 1 <= args.continuous_trace_iterations <= max(1, args.trace_interval):
+            problems.append(f"--continuous-trace-iterations must be in [1, --trace-interval ({args.trace_interval})], "
+                            f"got {args.continuous_trace_iterations}")
+        skews = {}
+        for text in args.trace_clock_skew:
+            try:
+                rank, offset_ms, drift_ppm = parse_clock_skew(text)
+                skews[rank] = (offset_ms, drift_ppm)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise ConfigError("; ".join(problems))
+        return cls(enabled=bool(args.trace), directory=Path(args.trace_dir), interval=args.trace_interval,
+                   continuous=args.continuous_trace_iterations, granularity=args.trace_granularity,
+                   clock_skews=skews)
+
+
+def output_directory(args: argparse.Namespace) -> Path:
+    """Where MegaScan's plugins write (--trace-dir), with or without --trace."""
+    return Path(args.trace_dir)
+
+
 def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("MegaScan tracing")
     g.add_argument("--trace", action="store_true", help="record per-rank traces of the training run")
@@ -51,6 +92,8 @@ class ScanPlugin(Plugin):
     """`--trace`: record windows of iterations on every rank into DIR/benchmark-data-*.json."""
 
     name = "scan"
+    flag = "--trace"
+    enables = ("scan_watchdog",)  # the hang watchdog is on with --trace unless --hang-timeout 0
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_trace_arguments(parser)
@@ -59,27 +102,11 @@ class ScanPlugin(Plugin):
         return bool(args.trace)
 
     def configure(self, cfg) -> None:
-        args = cfg.args
-        problems = []
-        if args.trace_interval < 1:
-            problems.append(f"--trace-interval must be >= 1, got {args.trace_interval}")
-        if not 1 <= args.continuous_trace_iterations <= max(1, args.trace_interval):
-            problems.append(f"--continuous-trace-iterations must be in [1, --trace-interval ({args.trace_interval})], "
-                            f"got {args.continuous_trace_iterations}")
-        self.skews = {}
-        for text in args.trace_clock_skew:
-            try:
-                rank, offset_ms, drift_ppm = parse_clock_skew(text)
-                self.skews[rank] = (offset_ms, drift_ppm)
-            except ValueError as exc:
-                problems.append(str(exc))
-        if problems:
-            raise ConfigError("; ".join(problems))
-        self.args = args
+        self.config = TraceConfig.from_args(cfg.args)
         self.tracer = None
 
     def setup(self, ctx) -> None:
-        args, cfg = self.args, ctx.cfg
+        config, cfg = self.config, ctx.cfg
         # One id for the whole run, so files of two runs mixed in a directory are told apart.
         holder = [uuid.uuid4().hex[:16] if ctx.rank == 0 else None]
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -95,8 +122,8 @@ class ScanPlugin(Plugin):
             extra={
                 "device": ctx.backend.name,
                 "timing": "cuda-events" if ctx.backend.name == "cuda" else "host-monotonic",
-                "trace": {"interval": args.trace_interval, "continuous": args.continuous_trace_iterations,
-                          "granularity": args.trace_granularity},
+                "trace": {"interval": config.interval, "continuous": config.continuous,
+                          "granularity": config.granularity},
                 "num_microbatches": cfg.num_microbatches,
                 "schedule": [str(task) for task in ctx.schedule],
                 "train_iters": cfg.training.train_iters,
@@ -105,15 +132,15 @@ class ScanPlugin(Plugin):
             },
         )
         skew = None
-        if ctx.rank in self.skews:
-            offset_ms, drift_ppm = self.skews[ctx.rank]
+        if ctx.rank in config.clock_skews:
+            offset_ms, drift_ppm = config.clock_skews[ctx.rank]
             skew = ClockSkew(offset_ns=int(offset_ms * 1e6), drift=drift_ppm * 1e-6,
                              reference_ns=header["clock_reference"]["monotonic_ns"])
-        path = Path(args.trace_dir) / trace_file_name(ctx.dp_rank, ctx.pp_rank, ctx.tp_rank, ctx.role or None)
+        path = config.directory / trace_file_name(ctx.dp_rank, ctx.pp_rank, ctx.tp_rank, ctx.role or None)
         writer = TraceWriter(path, header, skew=skew)
         self.tracer = Tracer(writer=writer, timer=build_timer(ctx.backend.name, ctx.backend.device),
-                             schedule=WindowSchedule(args.trace_interval, args.continuous_trace_iterations))
-        if args.trace_granularity == "full":
+                             schedule=WindowSchedule(config.interval, config.continuous))
+        if config.granularity == "full":
             self.tracer.layer_scopes = LayerScopes(self.tracer, transformer_layers(ctx.chunks))
         self.tracer.collectives.install()
         from megatron.app.mcore_schedule import MegatronCoreSchedule
@@ -129,8 +156,7 @@ class ScanPlugin(Plugin):
         self.tracer.begin_iteration(iteration)
 
     def after_iteration(self, ctx, iteration: int, metrics) -> None:
-        # The spine passes the count of finished iterations; the one just run is iteration - 1.
-        self.tracer.end_iteration(iteration - 1, metrics, last=iteration >= self.train_iters)
+        self.tracer.end_iteration(iteration, metrics, last=iteration + 1 >= self.train_iters)
 
     def shutdown(self, ctx) -> None:
         self._close("shutdown")

@@ -228,15 +228,17 @@ def _parse_mapping(items: list[str], what: str) -> dict[int, float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory")
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--dp", type=int, default=2)
-    parser.add_argument("--iterations", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=None)
+    parser.add_argument("directory", help="directory the synthetic rank trace files are written to")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default %(default)s)")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default %(default)s)")
+    parser.add_argument("--dp", type=int, default=2, help="data-parallel size (default %(default)s)")
+    parser.add_argument("--iterations", type=int, default=2,
+                        help="training iterations to synthesize (default %(default)s)")
+    parser.add_argument("--microbatches", type=int, default=None, help="microbatches per iteration (default 2 x --pp)")
     parser.add_argument("--offset", action="append", default=[], metavar="RANK:MS", help="wall-clock error of a rank")
     parser.add_argument("--drift", action="append", default=[], metavar="RANK:PPM", help="clock drift of a rank")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the timing jitter and noise (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:

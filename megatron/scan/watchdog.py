@@ -1,6 +1,8 @@
 """Per-rank hang watchdog and crash capture: a rank that makes no progress for the timeout dumps
 the stacks of all its threads and its per-group collective state into the trace dir (the job keeps
-running); uncaught exceptions and fatal signals are written there too, with rank and stack."""
+running); uncaught exceptions and fatal signals are written there too, with rank and stack. Over
+400 lines because the watchdog, the crash capture and their plugin share the process identity and
+the dump format, which one reader checks in one place."""
 from __future__ import annotations
 
 import atexit
@@ -238,6 +240,9 @@ class WatchdogSpans:
     def instant(self, kind: str, **attrs: Any) -> None:
         return None
 
+    def collective(self, op: str, group: GroupInfo, seq: int, start_ns: int, end_ns: int) -> None:
+        self.watchdog.on_collective(op, group, seq, start_ns, end_ns)
+
 
 class CrashCapture:
     """Writes uncaught exceptions (any thread) as JSON and fatal signals (faulthandler, all threads)
@@ -376,8 +381,9 @@ class WatchdogPlugin(Plugin):
     """`--hang-timeout`: per-rank watchdog and crash capture (on with --trace or on its own);
     `--inject-hang RANK:ITER`: block one rank, to test it."""
 
-    # Named to sort after "scan", so the tracer's collective observer is installed first and shared.
     name = "scan_watchdog"
+    flag = "--hang-timeout"
+    after = ("scan",)  # the tracer's collective observer is installed first and shared
 
     def add_arguments(self, parser) -> None:
         g = parser.add_argument_group("MegaScan hang diagnosis")
@@ -387,10 +393,12 @@ class WatchdogPlugin(Plugin):
         g.add_argument("--inject-hang", default=None, metavar="RANK:ITER[:SECONDS]",
                        help="testing: RANK blocks at the start of iteration ITER (forever, or SECONDS)")
 
-    def enabled(self, args) -> bool:
+    def enabled(self, args) -> bool | None:
         if args.hang_timeout == 0:
             return args.inject_hang is not None
-        return bool(getattr(args, "trace", False) or args.hang_timeout is not None or args.inject_hang)
+        if args.hang_timeout is not None or args.inject_hang:
+            return True
+        return None  # on when --trace enables it
 
     def configure(self, cfg) -> None:
         from megatron.app.config import ConfigError
@@ -403,23 +411,26 @@ class WatchdogPlugin(Plugin):
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.timeout = DEFAULT_HANG_TIMEOUT_S if args.hang_timeout is None else args.hang_timeout
-        self.directory = Path(getattr(args, "trace_dir", "trace"))
+        from megatron.scan.plugin import output_directory
+
+        self.directory = output_directory(args)
         self.watchdog = None
         self.crash = None
 
     def setup(self, ctx) -> None:
+        from megatron.app.observer import hang as observer_hang
         from megatron.app.observer import set_observer
 
         identity = process_identity(ctx.rank, ctx.cfg.parallel.world_size,
                                     {"dp": ctx.dp_rank, "pp": ctx.pp_rank, "tp": ctx.tp_rank})
         self.crash = CrashCapture(self.directory, identity).install()
         if self.timeout > 0:
-            observer = shared_collective_observer()
+            # Collectives are wrapped (by the tracer, or here) and reported through the spine's observer.
             self.watchdog = Watchdog(directory=self.directory, identity=identity, timeout=self.timeout,
-                                     observer=observer)
-            observer.listeners.append(self.watchdog.on_collective)
-            set_observer(WatchdogSpans(self.watchdog))
-            ctx.extras["watchdog"] = self.watchdog  # the metrics plugin reads the hang flag from it
+                                     observer=shared_collective_observer())
+            self.spans = WatchdogSpans(self.watchdog)
+            set_observer(self.spans)
+            self.watchdog.hang_listeners.append(observer_hang)  # every observer learns of a hang
             self.watchdog.start()
 
     def before_iteration(self, ctx, iteration: int) -> None:
@@ -433,9 +444,10 @@ class WatchdogPlugin(Plugin):
             self.watchdog.progress("iteration")
 
     def shutdown(self, ctx) -> None:
+        from megatron.app.observer import remove_observer
+
         if self.watchdog is not None:
             self.watchdog.stop()
-            if self.watchdog.observer is not None and self.watchdog.on_collective in self.watchdog.observer.listeners:
-                self.watchdog.observer.listeners.remove(self.watchdog.on_collective)
+            remove_observer(self.spans)
         if self.crash is not None:
             self.crash.uninstall()

@@ -36,18 +36,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_arguments(serve)
     g = serve.add_argument_group("layout (any TP x PP, whatever the checkpoint was saved with; launch "
                                  "TP x PP processes with torchrun) and --random-model's shape")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--max-position-embeddings", type=int, default=128)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="ranks each layer is split over when serving (default %(default)s)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages the layers are split into when serving (default %(default)s)")
+    g.add_argument("--num-layers", type=int, default=4, help="--random-model: transformer layers (default %(default)s)")
+    g.add_argument("--hidden-size", type=int, default=64, help="--random-model: hidden size (default %(default)s)")
+    g.add_argument("--num-attention-heads", type=int, default=4,
+                   help="--random-model: attention heads (default %(default)s)")
+    g.add_argument("--max-position-embeddings", type=int, default=128,
+                   help="--random-model: longest sequence in tokens (default %(default)s)")
+    g.add_argument("--seed", type=int, default=1234,
+                   help="--random-model: seed of its weights (default %(default)s)")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
+                   help="where the model runs: auto = cuda when torch sees a GPU (default %(default)s)")
     g = serve.add_argument_group("tokenizer (defaults: what the checkpoint was trained with)")
-    g.add_argument("--tokenizer-type", default=None)
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-type", default=None,
+                   help="GPT2BPETokenizer, ByteLevelTokenizer or NullTokenizer (default: the checkpoint's)")
+    g.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json (default: the checkpoint's)")
+    g.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt (default: the checkpoint's)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer's ids without eod, as pretrain_gpt.py's --vocab-size (default: the checkpoint's)")
     return parser
 
 
@@ -62,7 +71,7 @@ def load_model(args: argparse.Namespace):
         args.load = DEMO_CHECKPOINT
     if args.load:
         overrides = {"tokenizer_type": args.tokenizer_type, "vocab_file": args.vocab_file,
-                     "merge_file": args.merge_file}
+                     "merge_file": args.merge_file, "vocab_size": args.vocab_size}
         return loading.load_checkpoint(args.load, overrides, device=args.device, tp=args.tensor_model_parallel_size,
                                        pp=args.pipeline_model_parallel_size)
     if args.hf_model:
@@ -73,8 +82,9 @@ def load_model(args: argparse.Namespace):
     from megatron.app.config import ModelConfig
     from megatron.app.tokenizer import ByteLevelTokenizer
 
-    tokenizer = ByteLevelTokenizer() if args.tokenizer_type is None else loading.tokenizer_from_args(
-        {}, {"tokenizer_type": args.tokenizer_type, "vocab_file": args.vocab_file, "merge_file": args.merge_file})
+    tokenizer = ByteLevelTokenizer() if args.tokenizer_type is None and args.vocab_size is None else \
+        loading.tokenizer_from_args({}, {"tokenizer_type": args.tokenizer_type, "vocab_file": args.vocab_file,
+                                         "merge_file": args.merge_file, "vocab_size": args.vocab_size})
     cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, seq_length=args.max_position_embeddings,
                       max_position_embeddings=args.max_position_embeddings)
@@ -92,7 +102,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 def serve(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from megatron.scope.engine import Coordinator, Generator, leave_process_group
+    from megatron.scope.engine import Coordinator, Generator, leave_process_group, prompt_format
     from megatron.scope.loading import ModelLoadError
     from megatron.scope.service import ScopeService
 
@@ -113,6 +123,9 @@ def serve(args: argparse.Namespace) -> int:
     info = model.runner.info
     print(f"MegaScope serving {info.name} ({info.num_layers} layers, hidden {info.hidden_size}, "
           f"tp={info.tp} pp={info.pp})\n  open {url}", flush=True)
+    prompts = prompt_format(model.tokenizer, model.tokenizer.vocab_size)
+    if prompts:
+        print(f"  note: {prompts}", flush=True)
     try:
         service.serve_forever()
     except KeyboardInterrupt:

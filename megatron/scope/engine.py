@@ -35,6 +35,23 @@ class GenerateRequest:
     perturbations: list[Perturbation] = field(default_factory=list)
 
 
+class PromptError(ValueError):
+    """A prompt this model's tokenizer cannot turn into token ids; the message says what it accepts."""
+
+    code = "bad_prompt"
+
+
+def prompt_format(tokenizer, vocab_size: int) -> str | None:
+    """What a prompt is when it is not text: a NullTokenizer (pretrain_gpt.py --mock-data) reads
+    token ids. None for tokenizers that read text."""
+    from megatron.app.tokenizer import NullTokenizer
+
+    if isinstance(tokenizer, NullTokenizer):
+        return (f"this model was trained with NullTokenizer (e.g. pretrain_gpt.py --mock-data), so a prompt is "
+                f"token ids separated by spaces, each in 0..{vocab_size - 1}, e.g. \"1 2 3\"")
+    return None
+
+
 def leave_process_group() -> None:
     """Every rank of a serving job leaves together once rank 0 has sent "exit": one that exits
     while a peer's gloo threads still talk to it has aborted that peer (SIGABRT, "terminate
@@ -102,7 +119,16 @@ class Generator:
         limit = max(1, self.info.max_positions - 1)
         encoded = []
         for prompt in prompts:
-            ids = self.tokenizer.tokenize(prompt) if prompt else []
+            # Checked here, on rank 0, so no rank ever runs a forward on ids the model has no row for.
+            try:
+                ids = self.tokenizer.tokenize(prompt) if prompt else []
+            except ValueError:
+                ids = None
+            if ids is None or any(not 0 <= t < self.vocab_size for t in ids):
+                hint = prompt_format(self.tokenizer, self.vocab_size) or \
+                    f"its tokens must be ids in 0..{self.vocab_size - 1}"
+                shown = prompt if len(prompt) <= 40 else prompt[:40] + "..."
+                raise PromptError(f"prompt {shown!r} cannot be used: {hint}")
             encoded.append((ids or [self.tokenizer.eod])[-limit:])
         return encoded
 

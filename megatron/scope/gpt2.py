@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from megatron.app.config import ModelConfig, ParallelConfig
 from megatron.app.tokenizer import GPT2BPETokenizer
 from megatron.scope.loading import LoadedModel, ModelLoadError, assign_full_state, info_for, init_parallel
+from megatron.scope.hf_files import read_weights as read_hf_weights
 from megatron.scope.runner import ModelRunner
 
 
@@ -29,8 +30,6 @@ def read_config(directory: Path) -> dict:
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    from megatron.scope.hf import read_weights as read_hf_weights
-
     # GPT2LMHeadModel prefixes "transformer."; a bare GPT2Model does not.
     return {k.removeprefix("transformer."): v for k, v in read_hf_weights(directory).items()}
 

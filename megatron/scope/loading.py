@@ -97,7 +97,8 @@ def load_checkpoint(root: str, tokenizer_overrides: dict[str, Any] | None = None
     model_cfg = ModelConfig(**{k: v for k, v in saved_cfg.items() if k in known})
     if args.get("num_layers_per_virtual_pipeline_stage"):
         raise ModelLoadError("checkpoints with virtual pipeline stages are not supported by MegaScope yet")
-    tokenizer = tokenizer_from_args(args, tokenizer_overrides or {})
+    tokenizer = tokenizer_from_args(args, tokenizer_overrides or {}, model_vocab_size=model_cfg.vocab_size or None,
+                                    source=root)
     backend = init_parallel(tp, pp, int(args.get("seed", 1234)), device)
     from megatron.core import parallel_state as ps
 
@@ -174,13 +175,38 @@ def assign_full_state(chunk: torch.nn.Module, full: dict[str, torch.Tensor], tp:
         param.copy_(value.to(param.dtype))
 
 
-def tokenizer_from_args(args: dict[str, Any], overrides: dict[str, Any]) -> Tokenizer:
+def tokenizer_from_args(args: dict[str, Any], overrides: dict[str, Any], model_vocab_size: int | None = None,
+                        source: str = "the checkpoint") -> Tokenizer:
+    """The tokenizer a checkpoint was trained with (`args`, its saved flags), with the user's
+    `overrides` (None = not given). `model_vocab_size` is the vocabulary the saved model was built
+    for: it fills in a NullTokenizer's size that the flags do not record (--mock-data without
+    --vocab-size trains on the default), and a tokenizer that disagrees with it is an error."""
     merged = {k: args.get(k) for k in ("tokenizer_type", "vocab_file", "merge_file", "vocab_size")}
     merged.update({k: v for k, v in overrides.items() if v is not None})
-    if merged["tokenizer_type"] is None:
-        merged["tokenizer_type"] = "NullTokenizer"
+    if merged["tokenizer_type"] is None and not (merged["vocab_file"] and merged["merge_file"]):
+        merged["tokenizer_type"] = "NullTokenizer"  # what pretrain_gpt.py --mock-data trains with by default
+    null = merged["tokenizer_type"] == "NullTokenizer"
+    user_size = overrides.get("vocab_size")
+    if user_size is not None and not null:
+        raise ModelLoadError(f"--vocab-size is NullTokenizer's size; the tokenizer here is {merged['tokenizer_type']}, "
+                             "which takes its vocabulary from its files: drop --vocab-size")
+    if null and model_vocab_size and user_size is not None and int(user_size) + 1 != model_vocab_size:
+        raise ModelLoadError(
+            f"--vocab-size {user_size} disagrees with {source}: its model was trained with --vocab-size "
+            f"{model_vocab_size - 1} (NullTokenizer: {model_vocab_size - 1} ids plus eod = {model_vocab_size}); "
+            f"drop --vocab-size or pass {model_vocab_size - 1}")
+    if null and merged["vocab_size"] is None and model_vocab_size:
+        merged["vocab_size"] = model_vocab_size - 1  # NullTokenizer(N) has N ids plus eod
     try:
-        kwargs = {"vocab_size": merged["vocab_size"]} if merged["tokenizer_type"] == "NullTokenizer" else {}
-        return build_tokenizer(merged["tokenizer_type"], merged["vocab_file"], merged["merge_file"], **kwargs)
+        kwargs = {"vocab_size": merged["vocab_size"]} if null else {}
+        tokenizer = build_tokenizer(merged["tokenizer_type"], merged["vocab_file"], merged["merge_file"], **kwargs)
     except Exception as exc:
-        raise ModelLoadError(f"tokenizer: {exc} (override with --tokenizer-type/--vocab-file/--merge-file)") from exc
+        raise ModelLoadError(f"tokenizer: {exc} (override with --tokenizer-type/--vocab-file/--merge-file/"
+                             "--vocab-size)") from exc
+    if model_vocab_size and tokenizer.vocab_size != model_vocab_size:
+        # The trainer sizes the model from its tokenizer, so this is another tokenizer than it trained with.
+        raise ModelLoadError(
+            f"the tokenizer {tokenizer!r} has {tokenizer.vocab_size} ids, but the model in {source} was trained "
+            f"with a vocabulary of {model_vocab_size}; pass the tokenizer it was trained with "
+            "(--tokenizer-type/--vocab-file/--merge-file/--vocab-size)")
+    return tokenizer

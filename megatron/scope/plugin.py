@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import collections
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,9 +19,27 @@ from megatron.app.plugins import Plugin, register_plugin
 DEFAULT_SAMPLE = "Return the number of items in the"
 
 
+DEFAULT_PORT = 8765
+
+
+@dataclass(frozen=True, slots=True)
+class ScopeConfig:
+    """MegaScope's section, from its flags."""
+
+    port: int  # --training-ws-port, or the default port of --enable-ws-server alone
+    during_training: bool  # views while training (--training-ws-port)
+    serve_after: bool  # generation on the trained model afterwards (--enable-ws-server)
+    host: str
+    token: str | None
+    start_paused: bool
+    sample: str
+    observe_every: int
+
+
 @register_plugin
 class ScopePlugin(Plugin):
     name = "scope"
+    flag = "--training-ws-port"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("MegaScope (live model internals in the browser)")
@@ -40,7 +59,12 @@ class ScopePlugin(Plugin):
 
     def configure(self, cfg) -> None:
         args = cfg.args
-        port = args.training_ws_port if args.training_ws_port is not None else 8765
+        self.config = ScopeConfig(
+            port=args.training_ws_port if args.training_ws_port is not None else DEFAULT_PORT,
+            during_training=args.training_ws_port is not None, serve_after=bool(args.enable_ws_server),
+            host=args.ws_host, token=args.ws_token, start_paused=bool(args.ws_start_paused),
+            sample=args.ws_sample, observe_every=args.ws_observe_every)
+        port = self.config.port
         if not 0 <= port < 65536:
             raise ConfigError(f"--training-ws-port {port} is not a TCP port (0..65535)")
         if cfg.num_chunks > 1:
@@ -51,28 +75,24 @@ class ScopePlugin(Plugin):
 
     # --- setup ------------------------------------------------------------------------
     def setup(self, ctx) -> None:
-        from megatron.app.data import DataConfig, tokenizer_from_config
+        from megatron.app.data import tokenizer_from_config
         from megatron.scope.engine import Coordinator, Generator
         from megatron.scope.loading import info_for
         from megatron.scope.runner import ModelRunner
 
-        cfg, args = ctx.cfg, ctx.cfg.args
-        d = cfg.data
-        self.tokenizer = tokenizer_from_config(DataConfig(
-            mock_data=d.mock_data, tokenizer_type=d.tokenizer_type, vocab_file=d.vocab_file,
-            merge_file=d.merge_file, vocab_size=d.vocab_size))
+        cfg, config = ctx.cfg, self.config
+        self.tokenizer = tokenizer_from_config(cfg.data)
         p = cfg.parallel
         info = info_for(cfg.model, p.tensor_model_parallel_size, p.pipeline_model_parallel_size, "training")
         self.runner = ModelRunner(ctx.chunks, info, ctx.backend.device)
         self.coordinator = Coordinator(self.runner)
         self.is_server = ctx.rank == 0
-        self.during_training = args.training_ws_port is not None
-        self.args = args
+        self.during_training = config.during_training
         self.lock = threading.Lock()
-        self.paused = bool(args.ws_start_paused)
+        self.paused = config.start_paused
         self.steps_allowed = 0
-        self.sample = args.ws_sample
-        self.observe_every = args.ws_observe_every
+        self.sample = config.sample
+        self.observe_every = config.observe_every
         self.perturbations: list = []
         self.plan: dict[str, Any] = {}
         self.active_perturbations = None
@@ -82,15 +102,15 @@ class ScopePlugin(Plugin):
         if self.is_server:
             self.generator = Generator(self.coordinator, self.tokenizer, self.tokenizer.vocab_size)
             if self.during_training:
-                self._start_service(args.training_ws_port, "train")
+                self._start_service(config.port, "train")
 
     def _start_service(self, port: int, mode: str) -> None:
         from megatron.scope.server import ServerConfig
         from megatron.scope.service import ScopeService
 
-        config = ServerConfig(host=self.args.ws_host, port=port)
-        if self.args.ws_token:
-            config.token = self.args.ws_token
+        config = ServerConfig(host=self.config.host, port=port)
+        if self.config.token:
+            config.token = self.config.token
         self.service = ScopeService(self.generator, config, mode=mode)
         self.service.on_train = self._on_train
         self.service.train_state = self._train_state
@@ -100,12 +120,15 @@ class ScopePlugin(Plugin):
     # --- server thread: UI requests --------------------------------------------------------
     def _on_train(self, job, request: dict) -> None:
         if "sample" in request:
-            try:
-                self.tokenizer.tokenize(request["sample"])
-            except ValueError as exc:
-                from megatron.scope.protocol import ProtocolError
+            from megatron.scope.protocol import ProtocolError
 
+            try:
+                ids = self.tokenizer.tokenize(request["sample"])
+            except ValueError as exc:
                 raise ProtocolError(f"sample: {exc}", code="bad_sample") from None
+            if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):  # NullTokenizer reads any integer
+                raise ProtocolError(f"sample: token ids must be in 0..{self.tokenizer.vocab_size - 1}",
+                                    code="bad_sample")
         with self.lock:
             action = request["action"]
             if action == "start":
@@ -190,7 +213,7 @@ class ScopePlugin(Plugin):
             tokens=tokens, capture=["qkv", "attention", "fc1", "fc2", "layer"],
             perturbations=self.plan.get("perturbations", []), lens_top_k=5)
         if self.is_server and self.service is not None:
-            self._publish(iteration, tokens, result, metrics)
+            self._publish(iteration + 1, tokens, result, metrics)  # numbered as the training log
 
     def _publish(self, iteration: int, tokens: torch.Tensor, result, metrics: dict[str, Any]) -> None:
         from megatron.scope.engine import GenerateRequest
@@ -247,7 +270,7 @@ class ScopePlugin(Plugin):
         return norms.sqrt().tolist()
 
     def shutdown(self, ctx) -> None:
-        if self.args.enable_ws_server:
+        if self.config.serve_after:
             self._serve_after_training()
         elif self.is_server and self.service is not None:
             self.service.close()
@@ -260,8 +283,7 @@ class ScopePlugin(Plugin):
             self.coordinator.follow()  # until rank 0 sends "exit"
             return
         if self.service is None:
-            port = self.args.training_ws_port if self.args.training_ws_port is not None else 8765
-            self._start_service(port, "generate")
+            self._start_service(self.config.port, "generate")
         self.service.mode = "generate"
         self.service.on_train = None
         print(f"[MegaScope] training done; serving generation on the trained model at {self.service.server.url} "

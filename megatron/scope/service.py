@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from megatron.scope.capture import CAPTURE_KINDS
 from megatron.scope.codec import BIN_CHOICES, REDUCE_CHOICES
-from megatron.scope.engine import Generator
+from megatron.scope.engine import Generator, PromptError, prompt_format
 from megatron.scope.perturb import KINDS, TYPES
 from megatron.scope.protocol import MAX_NEW_TOKENS, MAX_PROMPTS, ProtocolError, validate
 from megatron.scope.server import Job, ScopeServer, ServerConfig
@@ -46,6 +46,9 @@ class ScopeService:
         hello = {"mode": self.mode, "model": self.info.as_message(), "capture_kinds": list(CAPTURE_KINDS),
                  "bins": list(BIN_CHOICES), "reduce": list(REDUCE_CHOICES), "perturbation_kinds": list(KINDS),
                  "perturbation_types": list(TYPES), "max_prompts": MAX_PROMPTS, "max_new_tokens": MAX_NEW_TOKENS}
+        prompts = prompt_format(self.generator.tokenizer, self.generator.vocab_size)
+        if prompts is not None:
+            hello["prompt_format"] = prompts  # not text: say so before the first request
         if self.train_state is not None:
             hello["training"] = self.train_state()
         return hello
@@ -79,6 +82,8 @@ class ScopeService:
             return False
         try:
             self.handlers[job.type](job, request)
+        except (PromptError, ProtocolError) as exc:  # the client's to fix: no traceback in the server log
+            self.server.send(job.client, "json", {"type": "error", "code": exc.code, "message": f"{job.type}: {exc}"})
         except Exception as exc:  # a failed request must not take the model server down
             logger.exception("MegaScope %s request failed", job.type)
             code = getattr(exc, "code", "failed")

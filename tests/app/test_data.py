@@ -96,6 +96,24 @@ def test_corpus_reads_docstrings_without_importing_and_skips_tests(tmp_path):
     assert list(corpus.iter_stdlib_documents(root=library, min_chars=25)) == ["A widget.\n\nSpin the widget."]
 
 
+def test_corpus_progress_is_on_stderr_and_silenceable(tmp_path, capsys, monkeypatch):
+    library = tmp_path / "lib"
+    library.mkdir()
+    for i in range(3):
+        (library / f"m{i}.py").write_text(f'"""Module {i} explains a thing at length, twice over."""\n')
+    monkeypatch.setattr(corpus, "stdlib_root", lambda: library)
+    monkeypatch.delenv("MEGATRON_PROGRESS", raising=False)
+    assert corpus.main(["--output", str(tmp_path / "a.jsonl"), "--min-chars", "10"]) == 0
+    shown = capsys.readouterr()
+    assert re.search(r"^\[corpus\] reading standard-library files 3/3 \(\d+\.\d s\)$", shown.err, re.M), shown.err
+    assert "[corpus]" not in shown.out and shown.out.startswith("wrote 3 documents")
+    monkeypatch.setenv("MEGATRON_PROGRESS", "0")
+    assert corpus.main(["--output", str(tmp_path / "b.jsonl"), "--min-chars", "10"]) == 0
+    silent = capsys.readouterr()
+    assert "[corpus]" not in silent.err
+    assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
+
+
 # ---- preprocess_data.py ------------------------------------------------------------------------
 
 def test_preprocess_writes_an_indexed_dataset_of_the_documents(demo):

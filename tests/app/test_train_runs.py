@@ -47,7 +47,7 @@ def test_plugin_contract(tmp_path):
         calls = record["calls"]
         assert calls[:3] == ["configure", "setup", "executor_transport=counting"]
         assert calls[3:7] == ["before_iteration:0", "before_optimizer_step:0", "after_optimizer_step:0",
-                              "after_iteration:1"]
+                              "after_iteration:0"]
         assert calls[-1] == "shutdown" and calls.count("after_optimizer_step:2") == 1
         # 2 microbatches x 3 iterations: each stage sends one activation or one gradient per microbatch
         assert record["sent"] == 6 and record["received"] == 6

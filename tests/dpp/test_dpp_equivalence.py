@@ -9,6 +9,10 @@ import pytest
 
 from launch import ROOT, torchrun
 
+from megatron.app.actions import Action, Op
+from megatron.app.schedule import PipelineLayout, Task
+from megatron.app.simulator_actions import simulate_actions
+
 WORKER = ROOT / "tests" / "dpp" / "workers" / "dpp_equivalence.py"
 LAYOUTS = ["pp4", "pp4-vpp2", "tp2-pp2", "tp2-pp2-vpp2-torch"]
 
@@ -50,3 +54,25 @@ def test_twenty_iteration_loss_curve(compared):
         assert len(curve) == 20, policy
         assert curve[-1] < curve[0] - 0.05, f"{policy}: loss did not go down: {curve}"
     assert curves["adaptive"] == pytest.approx(curves["bfc"], rel=1e-5)
+
+
+def test_the_simulator_runs_the_action_lists_the_runtime_executed(compared):
+    """Each pipeline's recorded action lists (dynamic orders, eager receives, TP decisions aside)
+    match send for receive and run to the end in the action simulator, every task once."""
+    cases = [case for rank_cases in compared for case in rank_cases]
+    for layout_name in LAYOUTS:
+        for policy in ("adaptive", "dfc", "bfc"):
+            for tp_rank in (0, 1):
+                pipeline = sorted((c for c in cases if c["layout"] == layout_name and c["policy"] == policy
+                                   and c["tp_rank"] == tp_rank), key=lambda c: c["pp_rank"])
+                if not pipeline:
+                    continue
+                layout = PipelineLayout(pipeline[0]["pp"], pipeline[0]["chunks"], 8)
+                assert [c["pp_rank"] for c in pipeline] == list(range(layout.pp_size))
+                programs = [[Action(Op(op), Task.parse(task) if task else None, peer, tag)
+                             for op, task, peer, tag in case["actions"]] for case in pipeline]
+                assert all(any(a.op is Op.SEND for a in program) for program in programs)
+                result = simulate_actions(layout, programs)
+                for rank, case in enumerate(pipeline):
+                    assert [str(t) for t in result.order(rank)] == case["order"]
+                    assert sorted(result.order(rank)) == sorted(layout.tasks())

@@ -73,7 +73,7 @@ def test_threaded_host_of_two_replicas_and_of_merged_tensor_parallel_stages():
 def test_merged_weight_hand_off_sums_to_the_shards_side_by_side():
     import torch
 
-    from megatron.fbd.threads import weight_contribution
+    from megatron.fbd.runner import weight_contribution
 
     layout = build_layout(5, tp=2, pp=2, ignore_forward_tp=True, forward_per_process=2)
     shard0, shard1 = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])

@@ -127,3 +127,36 @@ def test_waiting_on_an_async_collective_is_recorded(world, tmp_path):
     assert int(f.columns["microbatch"][wait]) == 2 and int(f.columns["group"][wait]) == -1
     assert f.columns["start_ns"][backward] <= f.columns["start_ns"][wait] <= f.columns["end_ns"][wait] \
         <= f.columns["end_ns"][backward]
+
+
+def test_watchdog_and_metrics_observers_receive_collectives_and_hangs_through_the_spine(world, tmp_path):
+    """The plugins subscribe to the spine's observer, not to each other: a collective reaches the
+    watchdog's and the metrics' observers, a hang the metrics' gauge, and a removed observer
+    nothing more."""
+    pytest.importorskip("prometheus_client")
+    from megatron.app import observer as spine
+    from megatron.scan.collectives import CollectiveObserver
+    from megatron.scan.metrics import MetricsSpans, RankMetrics
+    from megatron.scan.watchdog import Watchdog, WatchdogSpans, process_identity
+
+    collectives = CollectiveObserver(lambda: 0, lambda *event: None)
+    collectives.install()
+    identity = process_identity(0, 1, {"dp": 0, "pp": 0, "tp": 0})
+    watchdog = Watchdog(directory=tmp_path, identity=identity, timeout=60, observer=collectives)
+    metrics = RankMetrics(identity)
+    watched, measured = WatchdogSpans(watchdog), MetricsSpans(metrics)
+    try:
+        spine.set_observer(watched)
+        spine.set_observer(measured)
+        watchdog.last_progress -= 30
+        dist.all_reduce(torch.ones(4))
+        assert watchdog.stalled_seconds() < 5 and watchdog.last_progress_what == "all_reduce"
+        assert metrics._collectives[("all_reduce", collectives.group_info(None).gid)]._count.get() == 1
+        spine.hang(True)
+        assert metrics.hang._value.get() == 1
+        spine.remove_observer(measured)
+        dist.all_reduce(torch.ones(4))
+        assert metrics._collectives[("all_reduce", collectives.group_info(None).gid)]._count.get() == 1
+    finally:
+        spine.set_observer(None)
+        collectives.uninstall()

@@ -11,14 +11,19 @@ __all__ = ["Detection", "DetectionInput", "Suspect", "detect", "from_aggregation
 
 
 def run_detection(directory: str | os.PathLike, *, jobs: int | None = None, run_id: str | None = None,
-                  what_if: bool = True) -> Detection:
-    """Load, match and align a trace directory, then detect; raises AggregateError on bad input."""
+                  what_if: bool = True, progress=None) -> Detection:
+    """Load, match and align a trace directory, then detect; raises AggregateError on bad input.
+    `progress`: a megatron.app.progress.Reporter for each step's progress line (default: silent)."""
+    from megatron.app.progress import SILENT
     from megatron.scan.aggregate import aggregate
 
-    aggregation = aggregate(directory, None, jobs=jobs, run_id=run_id)
-    detection = detect(from_aggregation(aggregation))
+    progress = progress or SILENT
+    aggregation = aggregate(directory, None, jobs=jobs, run_id=run_id, progress=progress)
+    with progress.step("building per-rank tables"):
+        data = from_aggregation(aggregation)
+    detection = detect(data, progress=progress)
     if what_if and detection.suspects:
         from megatron.scan.detect.whatif import estimate_all
 
-        estimate_all(detection)
+        estimate_all(detection, progress=progress)
     return detection

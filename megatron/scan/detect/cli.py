@@ -16,7 +16,7 @@ def add_detect_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_detect_parser(commands) -> argparse.ArgumentParser:
     p = commands.add_parser("detect", help="find slow ranks and links in a trace directory")
-    p.add_argument("directory")
+    p.add_argument("directory", help="trace directory written by --trace (or by `launch`)")
     p.add_argument("--jobs", "-j", type=int, default=None, help="processes loading rank files (default: cores)")
     p.add_argument("--run-id", default=None, help="analyze only this run when a directory holds several")
     add_detect_arguments(p)
@@ -27,18 +27,22 @@ def run_detect(args: argparse.Namespace, directory: str | None = None) -> int:
     """Exit status 0 with or without suspects (a finding is not an error); 2 when the input is unusable."""
     import json
 
+    from megatron.app.progress import reporter
     from megatron.scan.detect import run_detection
     from megatron.scan.detect.report import as_dict, text_report, write_outputs
     from megatron.scan.load import AggregateError
 
     directory = directory or args.directory
     try:
+        # Progress goes to stderr, never into the report or --json on stdout; MEGATRON_PROGRESS=0 silences it.
+        progress = reporter("detect", quiet=getattr(args, "quiet", False))
         detection = run_detection(directory, jobs=args.jobs, run_id=args.run_id,
-                                  what_if=not getattr(args, "no_what_if", False))
+                                  what_if=not getattr(args, "no_what_if", False), progress=progress)
     except AggregateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    paths = write_outputs(detection, args.output_dir or directory, html=not getattr(args, "no_html", False))
+    with progress.step("writing reports"):
+        paths = write_outputs(detection, args.output_dir or directory, html=not getattr(args, "no_html", False))
     if getattr(args, "json", False):
         print(json.dumps(as_dict(detection), indent=1))
     else:

@@ -44,9 +44,16 @@ Analyzer = Callable[[DetectionInput], Any]
 
 
 def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival: Analyzer = arrival_order,
-           pipeline: Analyzer = pipeline_analysis, host: Analyzer = host_starvation) -> Detection:
-    """Run the four analyzers (each swappable) and combine their evidence."""
-    stage1, stage2, stage3, stage4 = compute(data), arrival(data), pipeline(data), host(data)
+           pipeline: Analyzer = pipeline_analysis, host: Analyzer = host_starvation, progress=None) -> Detection:
+    """Run the four analyzers (each swappable) and combine their evidence. `progress`: a
+    megatron.app.progress.Reporter that counts the analyzers run (default: silent)."""
+    if progress is None:
+        stage1, stage2, stage3, stage4 = compute(data), arrival(data), pipeline(data), host(data)
+    else:
+        stages = [analyzer(data) for analyzer in progress.iterate(
+            f"analyzing {len(data.world)} ranks (compute, collectives, pipeline, host)",
+            [compute, arrival, pipeline, host])]
+        stage1, stage2, stage3, stage4 = stages
     notes = [*data.warnings, *stage1.notes, *stage2.notes, *stage3.notes, *stage4.notes]
     suspects: list[Suspect] = []
     starved_ranks = {rank for rank, f in stage4.findings.items() if f.flagged}

@@ -271,7 +271,11 @@ class OnlineDetector:
 
 @register_plugin
 class OnlineDetectPlugin(Plugin):
+    """`--online-detect`: rank 0 analyses each traced window as it lands (needs --trace)."""
+
     name = "online_detect"
+    flag = "--online-detect"
+    requires = ("scan",)  # it reads the windows the tracer writes
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("MegaScan online detection")
@@ -290,15 +294,14 @@ class OnlineDetectPlugin(Plugin):
 
     def configure(self, cfg) -> None:
         args = cfg.args
-        if not getattr(args, "trace", False):
-            raise ConfigError("--online-detect reads the traced windows: add --trace (and --trace-dir)")
         if args.online_detect_confirm < 1:
             raise ConfigError(f"--online-detect-confirm {args.online_detect_confirm}: a suspect needs at least 1 "
                               f"analysis to be reported (1 reports at once)")
         self.confirm = args.online_detect_confirm
-        self.interval = args.trace_interval
-        self.continuous = args.continuous_trace_iterations
-        self.trace_dir = args.trace_dir
+        trace = self.peers["scan"].config  # configured before this plugin (it is required)
+        self.interval = trace.interval
+        self.continuous = trace.continuous
+        self.trace_dir = str(trace.directory)
         self.detector: OnlineDetector | None = None
         self.windows: list[tuple[int, int]] = []
 
@@ -311,7 +314,7 @@ class OnlineDetectPlugin(Plugin):
     def after_iteration(self, ctx, iteration: int, metrics) -> None:
         if self.detector is None:
             return
-        done = iteration - 1  # the spine passes the count of finished iterations
+        done = iteration
         if done % self.interval != self.continuous - 1:
             return
         self.windows.append((done - self.continuous + 1, done))

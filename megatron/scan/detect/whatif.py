@@ -105,7 +105,9 @@ def estimate(detection: Detection, suspect: Suspect, busy: dict[tuple[int, int],
             "pipeline_ms": round(baseline, 3), "pipeline_healthy_ms": round(healthy, 3)}
 
 
-def estimate_all(detection: Detection) -> None:
+def estimate_all(detection: Detection, progress=None) -> None:
+    """`progress`: a megatron.app.progress.Reporter counting the suspects estimated (default: silent)."""
     busy = _busy_table(detection)
-    for suspect in detection.suspects:
+    suspects = detection.suspects if progress is None else progress.iterate("what-if estimates", detection.suspects)
+    for suspect in suspects:
         suspect.what_if = estimate(detection, suspect, busy)

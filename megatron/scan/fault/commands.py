@@ -176,9 +176,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    import megatron.scan.fault as package
-
-    parser.description = package.__doc__.split("\n\n")[0]
+    # The package's docstring (its parent package is always imported before this module).
+    parser.description = sys.modules[__package__].__doc__.split("\n\n")[0]
     actions = parser.add_subparsers(dest="fault_action", required=True)
 
     def target(p: argparse.ArgumentParser, *, waits: bool) -> None:

@@ -18,7 +18,7 @@ from megatron.app.device import build_backend  # noqa: E402
 from megatron.app.executor import PipelineExecutor, StageContext  # noqa: E402
 from megatron.app.model import build_model_chunks  # noqa: E402
 from megatron.app.schedule import PipelineLayout, build_schedule  # noqa: E402
-from megatron.dpp.executor import DynamicPipelineExecutor  # noqa: E402
+from megatron.dpp.order import dpp_executor  # noqa: E402
 from megatron.dpp.transport import TorchP2PTransport, make_shm_transport  # noqa: E402
 
 POLICIES = ("adaptive", "dfc", "bfc")
@@ -91,8 +91,7 @@ def main() -> None:
         static_losses, static_grads = iterate(backend, chunks, PipelineExecutor(chunks, stage, shm), stage, curve, 0.05)
         for policy in POLICIES:
             budget = None if policy != "adaptive" else stage.layout.num_chunks  # tightest budget there is
-            executor = DynamicPipelineExecutor(chunks, stage, transport, policy=policy, budget=budget,
-                                               tp_ranks=tp_ranks)
+            executor = dpp_executor(chunks, stage, transport, policy=policy, budget=budget, tp_ranks=tp_ranks)
             losses, grads = iterate(backend, chunks, executor, stage, curve, 0.05)
             # Per iteration, microbatch losses in the order the last stage finished them.
             for mine, theirs in zip(losses, static_losses):
@@ -104,6 +103,10 @@ def main() -> None:
             compared.append({"layout": name, "policy": policy, "iterations": len(losses),
                              "parameters": len(grads), "order": [str(t) for t in executor.last_order],
                              "peak": executor.peak_stored_activations, "budget": budget,
+                             "pp_rank": stage.pp_rank, "pp": pp, "chunks": stage.layout.num_chunks,
+                             "tp_rank": tp_ranks.index(rank),
+                             "actions": [[a.op.value, str(a.task) if a.task else None, a.peer, a.tag]
+                                         for a in executor.last_actions],
                              "losses": [sum(l) / len(l) for l in losses if l]})
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(compared))
     shm.close()

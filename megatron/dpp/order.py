@@ -1,0 +1,114 @@
+"""MegaDPP as an order source of the one pipeline executor: every receive of the iteration is
+posted as early as it is legal (the IR's eager lowering), and at each step the rank runs the
+policy's highest-priority task whose input has arrived. The communication of each chosen task is
+derived by the same pass as the static orders' (megatron.app.actions)."""
+from __future__ import annotations
+
+import logging
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron.app.actions import Action, compute, control_tag, eager_receives, sends_after, step_actions
+from megatron.app.executor import PipelineExecutor, StageContext
+from megatron.app.schedule import Task, TaskKind, format_schedule
+from megatron.app.simulator import RankState
+from megatron.app.transport import Message, Transport
+
+from .policy import DppPolicy
+
+logger = logging.getLogger(__name__)
+
+_KINDS = (TaskKind.FORWARD, TaskKind.BACKWARD)
+
+
+class DppOrder:
+    """Picks the next task of an iteration at run time with a MegaDPP policy.
+
+    With tensor parallelism the first rank of the TP group (the leader) decides and sends each
+    decision to the other TP ranks of its stage as a 3-integer P2P message; they run exactly the
+    leader's order, so the TP collectives inside each task line up. The executor's static order
+    only fixes which kinds run (forward-only drops backwards): the order is the policy's.
+    """
+
+    def __init__(self, layout, *, policy: str, budget: int | None, tp_ranks: Sequence[int] = (),
+                 idle_timeout_s: float = 1e-3) -> None:
+        self.policy_name = policy
+        self.budget = budget
+        DppPolicy(policy, layout, budget)  # validates name and budget now, not in iteration 1
+        me = dist.get_rank() if dist.is_initialized() else 0
+        self.tp_ranks = list(tp_ranks) or [me]
+        self.is_leader = self.tp_ranks[0] == me
+        self.followers = [rank for rank in self.tp_ranks if rank != me] if self.is_leader else []
+        self.idle_timeout_s = idle_timeout_s
+
+    @property
+    def name(self) -> str:
+        """What the trainer's start-up line prints as the schedule."""
+        return f"dpp-{self.policy_name} (budget {self.budget if self.budget is not None else 'none'})"
+
+    def program(self, executor: PipelineExecutor, tasks: Sequence[Task], forward_only: bool,
+                step: bool) -> Iterator[Action]:
+        layout, pp_rank = executor.stage.layout, executor.stage.pp_rank
+        work = [task for task in layout.tasks() if task.is_forward or not forward_only]
+        state = RankState(rank=pp_rank, layout=layout, remaining=set(work))
+        # Forward-only runs store nothing, so no budget applies.
+        everything = layout.num_chunks * layout.num_microbatches
+        policy = DppPolicy(self.policy_name, layout, everything if forward_only else self.budget)
+        try:
+            yield from eager_receives(layout, pp_rank, work)
+            decision = 0
+            while state.remaining:
+                choice = self._decide(executor, decision, state, policy)
+                if choice is None:
+                    executor.idle(self.idle_timeout_s)
+                    continue
+                state.remaining.discard(choice)
+                state.executed.append(choice)
+                if choice.is_forward and not forward_only:
+                    state.stored_activations += 1
+                    state.peak_stored_activations = max(state.peak_stored_activations, state.stored_activations)
+                yield compute(choice)
+                state.completed.add(choice)
+                if not choice.is_forward:
+                    state.stored_activations -= 1
+                yield from sends_after(layout, pp_rank, choice, eager=True, forward_only=forward_only)
+                decision += 1
+        except Exception:
+            logger.error("rank %d (pp rank %d, dpp policy %s) failed; ran: %s; still to run: %s",
+                         dist.get_rank() if dist.is_initialized() else 0, pp_rank, self.policy_name,
+                         format_schedule(state.executed), format_schedule(sorted(state.remaining)))
+            raise
+        if step:
+            yield from step_actions()
+
+    # --- choosing -----------------------------------------------------------------------
+    def _decide(self, executor: PipelineExecutor, decision: int, state: RankState, policy: DppPolicy) -> Task | None:
+        executor.flush()  # the last task's output goes out before this rank waits on anything
+        if not self.is_leader:
+            return self._decision_from_leader(executor, decision)
+        ready = sorted(task for task in state.remaining
+                       if (task.is_forward or Task(TaskKind.FORWARD, task.chunk, task.microbatch) in state.completed)
+                       and executor.input_arrived(task))
+        choice = policy.choose(state, ready)
+        if choice is not None and self.followers:
+            code = torch.tensor([_KINDS.index(choice.kind), choice.chunk, choice.microbatch], dtype=torch.int64)
+            tag = control_tag(executor.stage.layout, decision)
+            executor.defer(executor.transport.post([Message(peer, tag, code) for peer in self.followers], []))
+        return choice
+
+    def _decision_from_leader(self, executor: PipelineExecutor, decision: int) -> Task:
+        code = torch.empty(3, dtype=torch.int64)
+        tag = control_tag(executor.stage.layout, decision)
+        handle = executor.transport.post([], [Message(self.tp_ranks[0], tag, code)])[-1]
+        handle.wait()
+        kind, chunk, microbatch = (int(value) for value in code)
+        return Task(_KINDS[kind], chunk, microbatch)
+
+
+def dpp_executor(chunks: Sequence[torch.nn.Module], stage: StageContext, transport: Transport, *, policy: str,
+                 budget: int | None, tp_ranks: Sequence[int] = (), idle_timeout_s: float = 1e-3) -> PipelineExecutor:
+    """The pipeline executor with a MegaDPP order."""
+    order = DppOrder(stage.layout, policy=policy, budget=budget, tp_ranks=tp_ranks, idle_timeout_s=idle_timeout_s)
+    return PipelineExecutor(chunks, stage, transport, order=order)
