@@ -1,20 +1,26 @@
-# Shared by run_single.sh / run_master.sh / run_worker.sh: environment set-up and the demo
-# training arguments. Sourced, not executed.
+# Shared by run_single.sh / run_master.sh / run_worker.sh (and scripts/run_tests.sh): environment
+# set-up and the demo training arguments. Sourced, not executed.
 
-# Install what the trainer needs into $VENV (default .venv) unless it is already there.
-# torch comes first so that no later resolver pulls a different build.
-ensure_environment() {
+# $VENV (default .venv) created and activated unless a virtual environment is active, with torch
+# installed first so that no later resolver pulls a different build.
+activate_environment() {
     local venv="${VENV:-.venv}"
     if [ -z "${VIRTUAL_ENV:-}" ]; then
         [ -x "$venv/bin/python" ] || { echo "[setup] creating virtual environment $venv"; python3 -m venv "$venv"; }
         # shellcheck disable=SC1091
         . "$venv/bin/activate"
     fi
-    if ! python -c "import torch" 2>/dev/null; then
+    # Checks by metadata, not by import: importing torch and megatron-core costs seconds.
+    if ! python -c "import importlib.util as u; assert u.find_spec('torch')" 2>/dev/null; then
         echo "[setup] installing torch==${TORCH_VERSION:-2.13.0}"
         python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
     fi
-    if ! python -c "import megatron.app.train, megatron.core" 2>/dev/null || [ -n "${REBUILD:-}" ]; then
+}
+
+# Install what the trainer needs into $VENV unless it is already there (REBUILD=1: reinstall).
+ensure_environment() {
+    activate_environment
+    if [ -n "${REBUILD:-}" ] || ! python -c "import importlib.metadata as m; m.version('megatron-app'); m.version('megatron-core')" 2>/dev/null; then
         echo "[setup] installing megatron-app (and megatron-core) from $(pwd)"
         python -m pip install -q -e .
     fi

@@ -32,6 +32,8 @@ class Op(str, enum.Enum):
     RECV = "RECV"
     REDUCE_GRADS = "REDUCE_GRADS"  # data-parallel gradient reduction (and its finalisation)
     OPTIMIZER_STEP = "OPTIMIZER_STEP"
+    RECOMPUTE = "RECOMPUTE"  # the forward again, from a handed-off stage input and RNG state (MegaFBD)
+    WEIGHTS = "WEIGHTS"  # the weight hand-off between a backward and a forward instance (MegaFBD)
 
     def __str__(self) -> str:
         return self.value
@@ -44,28 +46,40 @@ _COMPUTE = {TaskKind.FORWARD: Op.FORWARD, TaskKind.BACKWARD: Op.BACKWARD}
 class Action:
     """One step of a rank's iteration.
 
-    Compute (F/B): `task` is what runs. SEND: `task` produced the tensor, `peer` is the pipeline
-    rank that consumes it. RECV: `task` consumes the tensor, `peer` is the pipeline rank that
-    produced it. `tag` matches a SEND with its RECV. Step actions carry nothing."""
+    Compute (F/B, RECOMPUTE): `task` is what runs. SEND: `task` produced the tensor, `peer` is the
+    rank that consumes it. RECV: `task` consumes the tensor, `peer` is the rank that produced it.
+    `tag` matches a SEND with its RECV; `payload` says what the message carries when it is not the
+    task's activation (F) or gradient (B): "S" a stage input, "R" an RNG state (see PAYLOADS).
+    Peers are pipeline ranks in the trainer's pipelines, global ranks in MegaFBD's role lists (the
+    executor maps them through its stage's rank list). Step actions carry nothing."""
 
     op: Op
     task: Task | None = None
-    peer: int = -1  # pipeline rank (not global rank)
+    peer: int = -1
     tag: int = -1
+    payload: str = ""
+
+    @property
+    def carries(self) -> str:
+        """What a SEND/RECV moves: its payload, else the task's own activation or gradient."""
+        return self.payload or self.task.kind.value
 
     @property
     def is_compute(self) -> bool:
-        return self.op in (Op.FORWARD, Op.BACKWARD)
+        return self.op in (Op.FORWARD, Op.BACKWARD, Op.RECOMPUTE)
 
     @property
     def is_communication(self) -> bool:
         return self.op in (Op.SEND, Op.RECV)
 
     def __str__(self) -> str:
+        what = f"{self.task}:{self.payload}" if self.payload else str(self.task)
         if self.op is Op.SEND:
-            return f"SEND({self.task}->{self.peer})"
+            return f"SEND({what}->{self.peer})"
         if self.op is Op.RECV:
-            return f"RECV({self.task}<-{self.peer})"
+            return f"RECV({what}<-{self.peer})"
+        if self.op is Op.RECOMPUTE:
+            return f"RECOMPUTE({self.task})"
         if self.is_compute:
             return str(self.task)
         return self.op.value

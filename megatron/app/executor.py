@@ -4,6 +4,7 @@ model chunks, from a static order lowered by the IR's pass or from a dynamic ord
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.app.model import unwrap_model
+from megatron.app.rng import rng_restore, rng_snapshot
 from megatron.app.observer import get_observer
 from megatron.app.actions import Action, Op, lower
 from megatron.app.schedule import PipelineLayout, Task, format_schedule
@@ -90,6 +92,18 @@ class StaticOrder:
         return lower(stage.layout, stage.pp_rank, tasks, forward_only=forward_only, step=step)
 
 
+class ActionList:
+    """An order source that is a fixed action list (MegaFBD's roles build theirs themselves)."""
+
+    def __init__(self, actions: Sequence[Action], name: str = "") -> None:
+        self.actions = list(actions)
+        self.name = name
+
+    def program(self, executor: "PipelineExecutor", tasks: Sequence[Task], forward_only: bool,
+                step: bool) -> Iterable[Action]:
+        return self.actions
+
+
 class PipelineExecutor:
     """Runs one iteration's actions (megatron.app.actions) on this rank's model chunks.
 
@@ -99,6 +113,11 @@ class PipelineExecutor:
     compute action, which blocks only on its own input. Order sources may read `stage`,
     `transport`, `forward_only`, `input_arrived(task)` and call `flush()`, `idle(timeout)` and
     `defer(handles)`.
+
+    Messages are keyed by (task, payload): an activation (F) or gradient (B) by default; a stage
+    input (S) or RNG state (R) where a forward hands them to a recomputation on another rank
+    (`hand_off`; RECOMPUTE consumes them). `buffers` makes a receive buffer per payload. A WEIGHTS
+    action has no handler here: the action list that holds one registers it in `handlers`.
     """
 
     def __init__(self, chunks: Sequence[torch.nn.Module], stage: StageContext,
@@ -117,7 +136,11 @@ class PipelineExecutor:
             Op.RECV: self._queue_receive,
             Op.REDUCE_GRADS: self._reduce_grads,
             Op.OPTIMIZER_STEP: self._optimizer_step,
+            Op.RECOMPUTE: self._recompute,
         }
+        self.buffers: dict[str, Callable[[], torch.Tensor]] = {payload: stage.empty_activation for payload in "FBS"}
+        self.hand_off = False  # each forward also leaves its stage input (S) and RNG state (R) to send
+        self.compute_guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self.last_order: list[Task] = []  # compute tasks of the last iteration, in run order
         self.last_actions: list[Action] = []  # every action of the last iteration, in run order
         self.peak_stored_activations = 0  # over every iteration run so far
@@ -137,10 +160,10 @@ class PipelineExecutor:
         self._steps = steps
         self._result = IterationResult()
         self._stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        self._inbox: dict[Task, tuple[torch.Tensor, object, dict]] = {}
-        self._outbox: dict[Task, torch.Tensor] = {}
-        self._sends: list[tuple[Message, dict]] = []  # queued, posted with the next batch
-        self._receives: list[tuple[Task, Message, dict]] = []
+        self._inbox: dict[tuple[Task, str], tuple[torch.Tensor, object, dict]] = {}
+        self._outbox: dict[tuple[Task, str], torch.Tensor] = {}
+        self._sends: list[tuple[Message, dict, tuple[Task, str]]] = []  # queued, posted with the next batch
+        self._receives: list[tuple[tuple[Task, str], Message, dict]] = []
         self._pending_sends: list = []
         self.last_order, self.last_actions = [], []
         action = None
@@ -173,8 +196,9 @@ class PipelineExecutor:
     def input_arrived(self, task: Task) -> bool:
         """Whether `task`'s input is here: local, or its posted receive has completed."""
         self.flush()
-        if task in self._inbox:
-            return self._inbox[task][1].is_completed()
+        key = (task, task.kind.value)
+        if key in self._inbox:
+            return self._inbox[key][1].is_completed()
         return self.stage.layout.input_source(self.stage.pp_rank, task) is None
 
     def idle(self, timeout_s: float) -> None:
@@ -192,69 +216,98 @@ class PipelineExecutor:
 
     # --- communication ----------------------------------------------------------------
     def _queue_send(self, action: Action, get_microbatch) -> None:
-        tensor = self._outbox.pop(action.task)
+        key = (action.task, action.carries)
+        tensor = self._outbox[key]  # one output may go to several peers: dropped once the batch is posted
         peer = self.stage.pp_global_ranks[action.peer]
         self._sends.append((Message(peer, action.tag, tensor),
                             dict(peer=peer, bytes=tensor.numel() * tensor.element_size(), chunk=action.task.chunk,
-                                 microbatch=action.task.microbatch, direction=action.task.kind.value)))
+                                 microbatch=action.task.microbatch, direction=action.task.kind.value,
+                                 **_payload_attr(action)), key))
 
     def _queue_receive(self, action: Action, get_microbatch) -> None:
-        buffer = self.stage.empty_activation()
+        buffer = self.buffers[action.carries]()
         peer = self.stage.pp_global_ranks[action.peer]
-        self._receives.append((action.task, Message(peer, action.tag, buffer),
+        self._receives.append(((action.task, action.carries), Message(peer, action.tag, buffer),
                                dict(peer=peer, bytes=buffer.numel() * buffer.element_size(), chunk=action.task.chunk,
-                                    microbatch=action.task.microbatch, direction=action.task.kind.value)))
+                                    microbatch=action.task.microbatch, direction=action.task.kind.value,
+                                    **_payload_attr(action))))
 
     def flush(self) -> None:
         """Post the queued sends and receives as one batch (an order source calls it before it blocks
-        on anything but this executor)."""
+        on anything but this executor). Each send gets its own span (the first one's covers the post)."""
         if not self._sends and not self._receives:
             return
         sends, receives = self._sends, self._receives
         self._sends, self._receives = [], []
-        attrs = sends[0][1] if sends else None
-        with get_observer().span("send", **attrs) if attrs else _nothing():
-            handles = self.transport.post([m for m, _ in sends], [m for _, m, _ in receives])
+        observer = get_observer()
+        with observer.span("send", **sends[0][1]) if sends else _nothing():
+            handles = self.transport.post([m for m, _, _ in sends], [m for _, m, _ in receives])
+        for _, attrs, _ in sends[1:]:
+            with observer.span("send", **attrs):
+                pass
+        for _, _, key in sends:
+            self._outbox.pop(key, None)
         self._pending_sends.extend(handles[:len(sends)])
-        for (task, message, recv_attrs), handle in zip(receives, handles[len(sends):]):
-            self._inbox[task] = (message.tensor, handle, recv_attrs)
+        for (key, message, recv_attrs), handle in zip(receives, handles[len(sends):]):
+            self._inbox[key] = (message.tensor, handle, recv_attrs)
 
-    def _receive(self, task: Task) -> torch.Tensor | None:
-        if task not in self._inbox:
+    def _receive(self, task: Task, payload: str | None = None) -> torch.Tensor | None:
+        key = (task, payload or task.kind.value)
+        if key not in self._inbox:
             return None
-        tensor, handle, attrs = self._inbox.pop(task)
+        tensor, handle, attrs = self._inbox.pop(key)
         with get_observer().span("recv", **attrs):
             handle.wait()
         return tensor
 
     # --- compute --------------------------------------------------------------------------
     def _forward(self, action: Action, get_microbatch: Callable[[int], Microbatch]) -> None:
-        task, forward_only = action.task, self.forward_only
-        chunk = self.chunks[task.chunk]
+        task = action.task
         with get_observer().span("data", microbatch=task.microbatch):
             batch = get_microbatch(task.microbatch)
-        received = self._receive(task)
+        self._run_forward(task, batch, self._receive(task), train=not self.forward_only, keep_output=True)
+
+    def _recompute(self, action: Action, get_microbatch: Callable[[int], Microbatch]) -> None:
+        """The forward again, with autograd, from a stage input (S) and the RNG state (R) another
+        rank's forward handed off: it draws the same dropout and computes the same output."""
+        task = action.task
+        with get_observer().span("data", microbatch=task.microbatch):
+            batch = get_microbatch(task.microbatch)
+        stage_input = self._receive(task, "S")
+        rng = self._receive(task, "R")
+        if rng is not None:
+            rng_restore(rng)
+        self._run_forward(task, batch, stage_input, train=True, keep_output=False)
+
+    def _run_forward(self, task: Task, batch: Microbatch, received: torch.Tensor | None, *, train: bool,
+                     keep_output: bool) -> None:
+        chunk = self.chunks[task.chunk]
         if received is not None:
-            received.requires_grad_(not forward_only)
-        with get_observer().span("forward", chunk=task.chunk, microbatch=task.microbatch):
-            unwrap_model(chunk).set_input_tensor(received)
-            is_last = self.stage.layout.is_last_stage(self.stage.pp_rank, task.chunk)
-            with torch.set_grad_enabled(not forward_only):
-                output = chunk(
-                    batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                    labels=batch["labels"] if is_last else None,
-                )
-            if is_last:
-                loss, tokens = microbatch_loss(output, batch)
-                self._result.losses.append(float(loss.detach()))
-                self._result.num_tokens += tokens
-                if self.per_token_loss:  # summed; the trainer divides by the global batch's tokens
-                    output = (output.float() * batch["loss_mask"]).sum()
-                else:
-                    output = loss / self.stage.layout.num_microbatches
-            else:
-                self._outbox[task] = output.detach()
-        if not forward_only:
+            received.requires_grad_(train)
+        with self.compute_guard():
+            if self.hand_off:
+                self._outbox[(task, "R")] = rng_snapshot()
+                if received is not None:
+                    self._outbox[(task, "S")] = received
+            with get_observer().span("forward", chunk=task.chunk, microbatch=task.microbatch):
+                unwrap_model(chunk).set_input_tensor(received)
+                is_last = self.stage.layout.is_last_stage(self.stage.pp_rank, task.chunk)
+                with torch.set_grad_enabled(train):
+                    output = chunk(
+                        batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                        labels=batch["labels"] if is_last else None,
+                    )
+                if is_last:
+                    loss, tokens = microbatch_loss(output, batch)
+                    self._result.losses.append(float(loss.detach()))
+                    self._result.num_tokens += tokens
+                    if self.per_token_loss:  # summed; the trainer divides by the global batch's tokens
+                        output = (output.float() * batch["loss_mask"]).sum()
+                    else:
+                        output = loss / self.stage.layout.num_microbatches
+                elif keep_output:
+                    self._outbox[(task, task.kind.value)] = output.detach()
+        if train:
             self._stored[(task.chunk, task.microbatch)] = (received, output)
 
     def _backward(self, action: Action, get_microbatch: Callable[[int], Microbatch]) -> None:
@@ -266,7 +319,7 @@ class PipelineExecutor:
         with get_observer().span("backward", chunk=task.chunk, microbatch=task.microbatch):
             torch.autograd.backward(output, grad_tensors=grad_output)
         if stage_input is not None:
-            self._outbox[task] = stage_input.grad
+            self._outbox[(task, task.kind.value)] = stage_input.grad
 
     # --- the iteration's end --------------------------------------------------------------
     def _reduce_grads(self, action: Action, get_microbatch) -> None:
@@ -274,6 +327,10 @@ class PipelineExecutor:
 
     def _optimizer_step(self, action: Action, get_microbatch) -> None:
         self._result.updated, self._result.grad_norm = self._steps.optimizer_step(self._result)
+
+
+def _payload_attr(action: Action) -> dict:
+    return {"payload": action.payload} if action.payload else {}
 
 
 class _nothing:

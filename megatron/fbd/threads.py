@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron.app.model import build_model_chunks
 from megatron.fbd.coordinator import CommunicationCoordinator
 from megatron.fbd.layout import FBDLayout, Instance
+from megatron.app.transport import Message, TorchDistributedTransport
 from megatron.fbd.runner import SCHEDULE_NAME, ForwardStep, load_chunk_weights
 
 # The host waits at most this long for one iteration of its threads (a peer failing is reported
@@ -78,10 +79,12 @@ class ForwardHost:
         instances = layout.hosted(ctx.rank)
         chunks = [ctx.chunks[0]] + [self._build_chunk(i.stage) for i in instances[1:]]
         data = {r: dataclasses.replace(ctx.data, dp_rank=r, _cache={}) for r in sorted({i.replica for i in instances})}
+        # (replica, tag) -> the activation one stage's thread hands to the next, in the process.
+        self.mailbox: dict[tuple[int, int], queue.Queue] = {}
+        self.mailbox_lock = threading.Lock()
+        self.inner = ctx.transport or TorchDistributedTransport()
         self.steps = [ForwardStep(ctx, layout, i, chunk, host=self, data=data[i.replica])
                       for i, chunk in zip(instances, chunks)]
-        # activations[slot]: the (microbatch, output) hand-off from that slot's stage to the next.
-        self.activations: list[queue.Queue] = [queue.Queue() for _ in instances]
 
     def _build_chunk(self, stage: int) -> torch.nn.Module:
         """The model chunk of another stage, through the trainer's model builder. megatron-core reads
@@ -106,14 +109,13 @@ class ForwardHost:
         flat = self.coordinator.all_reduce(weight_group(self.layout, me.replica, me.stage), me.slot, zeros)
         load_chunk_weights(step.chunks, list(flat.to(step.device).split(shard)), tp)
 
-    def put_activation(self, me: Instance, microbatch: int, output: torch.Tensor) -> None:
-        self.activations[me.slot].put((microbatch, output))
+    def transport(self, me: Instance) -> "_ThreadTransport":
+        """The transport of `me`'s executor: messages to this process's rank stay in the process."""
+        return _ThreadTransport(self, me.replica, dist.get_rank())
 
-    def take_activation(self, me: Instance, microbatch: int) -> torch.Tensor:
-        got, tensor = self.activations[me.slot - 1].get(timeout=_THREAD_TIMEOUT_S)
-        if got != microbatch:
-            raise RuntimeError(f"stage {me.stage} expected microbatch {microbatch}, got {got}")
-        return tensor
+    def _queue(self, replica: int, tag: int) -> queue.Queue:
+        with self.mailbox_lock:
+            return self.mailbox.setdefault((replica, tag), queue.Queue())
 
     # --- one iteration ------------------------------------------------------------------------
     def __call__(self, ctx, plugins) -> dict[str, Any]:
@@ -141,3 +143,57 @@ class ForwardHost:
 
     def close(self) -> None:
         self.coordinator.close(timeout=60)
+
+
+class _LocalSend:
+    def wait(self) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _LocalReceive:
+    def __init__(self, box: queue.Queue, buffer: torch.Tensor) -> None:
+        self.box, self.buffer, self.done = box, buffer, False
+
+    def wait(self) -> None:
+        if not self.done:
+            self.buffer.copy_(self.box.get(timeout=_THREAD_TIMEOUT_S))
+            self.done = True
+
+    def is_completed(self) -> bool:
+        return self.done or not self.box.empty()
+
+
+class _ThreadTransport:
+    """A hosted forward instance's transport: a message to or from this process's own rank (the
+    activation between two stages of one replica, both threads here) goes through the host's
+    mailbox, keyed by replica and tag; the others (stage inputs and RNG states to the backward
+    instances) over the job's transport."""
+
+    name = "threads"
+
+    def __init__(self, host: ForwardHost, replica: int, rank: int) -> None:
+        self.host, self.replica, self.rank = host, replica, rank
+
+    def post(self, sends: list[Message], recvs: list[Message]) -> list:
+        remote_sends = [m for m in sends if m.peer != self.rank]
+        remote_recvs = [m for m in recvs if m.peer != self.rank]
+        remote = iter(self.host.inner.post(remote_sends, remote_recvs) if remote_sends or remote_recvs else [])
+        handles = []
+        for message in sends:
+            if message.peer == self.rank:
+                self.host._queue(self.replica, message.tag).put(message.tensor)
+                handles.append(_LocalSend())
+            else:
+                handles.append(next(remote))
+        for message in recvs:
+            if message.peer == self.rank:
+                handles.append(_LocalReceive(self.host._queue(self.replica, message.tag), message.tensor))
+            else:
+                handles.append(next(remote))
+        return handles
+
+    def close(self) -> None:
+        return None

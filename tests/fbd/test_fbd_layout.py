@@ -94,3 +94,29 @@ def test_impossible_layouts_name_every_factor(world, tp, pp, ignore, fragment):
 
 def test_megatron_core_still_has_the_parallel_state_globals_fbd_sets():
     assert missing_parallel_state_globals() == []
+
+
+@pytest.mark.parametrize("world,tp,pp,ignore_tp,chunks", [(4, 1, 2, False, 1), (8, 2, 2, False, 1), (6, 2, 2, True, 1),
+                                                          (4, 1, 2, False, 2), (8, 1, 4, False, 1)])
+def test_the_roles_action_lists_match_every_send_with_one_receive(world, tp, pp, ignore_tp, chunks):
+    """Both roles are IR action lists: over all instances, each SEND meets exactly one RECV (same
+    tag), and the backward role ends with the gradient reduction and the optimizer step."""
+    from megatron.app.actions import Op, check_matching
+    from megatron.app.schedule import PipelineLayout
+    from megatron.fbd.roles import backward_role, forward_role
+
+    layout = build_layout(world, tp, pp, ignore_tp, 1)
+    programs = []
+    for rank in range(world):
+        me = layout.instance(rank)
+        role = forward_role if me.is_forward else backward_role
+        programs.append(role(layout, me, chunks, 4))
+    check_matching(PipelineLayout(world, 1, 1), programs)
+    for rank, program in enumerate(programs):
+        kinds = [action.op for action in program]
+        assert kinds[0] is Op.WEIGHTS
+        if layout.instance(rank).is_forward:
+            assert kinds.count(Op.FORWARD) == chunks * 4 and Op.BACKWARD not in kinds
+        else:
+            assert kinds.count(Op.RECOMPUTE) == kinds.count(Op.BACKWARD) == chunks * 4
+            assert kinds[-2:] == [Op.REDUCE_GRADS, Op.OPTIMIZER_STEP]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron.app.cpu_stand_ins import _cpu_rng_tracker
-from megatron.fbd.runner import rng_restore, rng_snapshot
+from megatron.app.rng import rng_restore, rng_snapshot
 
 
 def draw() -> tuple[torch.Tensor, torch.Tensor]:

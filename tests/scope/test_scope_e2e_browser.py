@@ -23,7 +23,7 @@ CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 
 def _missing() -> str | None:
     if not Path(CHROMIUM).exists():
-        return f"{CHROMIUM} is absent (apt-get install -y chromium; .ci/run installs it)"
+        return f"{CHROMIUM} is absent (apt-get install -y chromium; scripts/run_tests.sh installs it as root)"
     if shutil.which("node") is None:
         return "node is not installed"
     if not (WEB / "node_modules" / "playwright-core").is_dir():

@@ -212,7 +212,7 @@ def _drop_tensor_parallel_victims(data: DetectionInput, stage2: ArrivalStage, su
         if suspect.kind == "rank":
             me = data.roles[suspect.ranks[0]]
             culprit = next((other for other in suspects if other.kind == "rank" and other is not suspect
-                            and data.roles[other.ranks[0]].dp == me.dp and data.roles[other.ranks[0]].pp == me.pp
+                            and data.roles[other.ranks[0]].dp == me.dp and data.roles[other.ranks[0]].stage == me.stage
                             and other.slowdown > suspect.slowdown and arrival_z(other.ranks[0]) > 1.0
                             and arrival_z(suspect.ranks[0]) <= 1.0), None)
             if culprit is not None:
@@ -244,6 +244,7 @@ def _drop_pipeline_victims(data: DetectionInput, stage2: ArrivalStage, stage3: P
             me = data.roles[suspect.ranks[0]]
             culprit = next((other for other in suspects if other.kind == "rank" and other is not suspect
                             and data.roles[other.ranks[0]].dp == me.dp and data.roles[other.ranks[0]].pp != me.pp
+                            and data.roles[other.ranks[0]].role == me.role
                             and other.slowdown >= margin * suspect.slowdown
                             and stage3.producer_wait_ms.get(other.ranks[0], 0.0)
                             > stage3.producer_wait_ms.get(suspect.ranks[0], 0.0)), None)

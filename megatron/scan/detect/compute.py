@@ -75,7 +75,8 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
     log_busy = np.log(np.maximum(t["busy"], 1).astype(np.float64))
     noise = _noise(log_busy, np.stack([t["rank"], t["kind"], t["chunk"]], axis=1))
     pair_noise = noise * np.sqrt(2.0)
-    stage_of = np.array([data.roles[int(r)].pp for r in t["rank"]], dtype=np.int64)
+    stages = sorted({role.stage for role in data.roles.values()})
+    stage_of = np.array([stages.index(data.roles[int(r)].stage) for r in t["rank"]], dtype=np.int64)
     compared: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, list[int], np.ndarray]] = {}
     for stage in np.unique(stage_of):
         in_stage = stage_of == stage

@@ -30,7 +30,7 @@ def _heatmap(detection: Detection) -> str:
     rows = []
     for rank in data.world:
         role = data.roles[rank]
-        stage = [r for r in data.world if data.roles[r].pp == role.pp]
+        stage = [r for r in data.world if data.roles[r].stage == role.stage]
         cells = []
         for name, kind in ops:
             mine = (t["rank"] == rank) & (t["kind"] == kind)

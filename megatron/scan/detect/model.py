@@ -21,10 +21,16 @@ class RankRole:
     pp: int
     tp: int
     host: str = ""
+    role: str = ""  # MegaFBD's "fwd"/"bwd": the two instances of one coordinate do different work
 
     @property
     def coordinates(self) -> str:
-        return f"{self.dp}-{self.pp}-{self.tp}"
+        return f"{self.dp}-{self.pp}-{self.tp}" + (f" {self.role}" if self.role else "")
+
+    @property
+    def stage(self) -> tuple[int, str]:
+        """Ranks with the same stage run the same tasks, so they are each other's peers."""
+        return self.pp, self.role
 
 
 @dataclass(kw_only=True)
@@ -54,7 +60,7 @@ class DetectionInput:
 
     def label(self, rank: int) -> str:
         r = self.roles[rank]
-        return f"rank {rank} (DP{r.dp}-PP{r.pp}-TP{r.tp})"
+        return f"rank {rank} (DP{r.dp}-PP{r.pp}-TP{r.tp}{' ' + r.role if r.role else ''})"
 
 
 def _empty(names: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -163,7 +169,8 @@ def from_aggregation(aggregation: Any) -> DetectionInput:
     """Tables from an `Aggregation` (loaded, matched and clock-aligned trace directory)."""
     trace, collectives, p2p = aggregation.trace, aggregation.collectives, aggregation.p2p
     c = trace.columns
-    roles = {r: RankRole(rank=r, host=str(h.get("host", "")), **{k: int(h["coordinates"][k]) for k in ("dp", "pp", "tp")})
+    roles = {r: RankRole(rank=r, host=str(h.get("host", "")), role=str(h.get("role", "") or ""),
+                         **{k: int(h["coordinates"][k]) for k in ("dp", "pp", "tp")})
              for r, h in trace.ranks.items()}
     first = next(iter(trace.ranks.values()))
     sizes = {k: int(first["sizes"][k]) for k in ("dp", "pp", "tp")}
