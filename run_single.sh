@@ -42,14 +42,13 @@ python -c "import tensorboard" 2>/dev/null && TB=(--tensorboard-dir "$OUT/tensor
 
 # MegaScan: trace 2 iterations every 20 into $OUT/trace, unless TRACE=0. Flags given after `--`
 # come later on the command line and so win (--trace-dir DIR, --trace-interval N, ...).
-TRACE_ARGS=() TRACE_DIR="" FBD="" USER_TRACE="" WINDOW=(--trace-interval 20 --continuous-trace-iterations 2)
+TRACE_ARGS=() TRACE_DIR="" USER_TRACE="" WINDOW=(--trace-interval 20 --continuous-trace-iterations 2)
 for ((i = 0; i < ${#PASS_THROUGH[@]}; i++)); do
     case "${PASS_THROUGH[i]}" in
         --trace) USER_TRACE=1 ;;
         --trace-dir) USER_TRACE=1; TRACE_DIR="${PASS_THROUGH[i + 1]:-}" ;;
         --trace-dir=*) USER_TRACE=1; TRACE_DIR="${PASS_THROUGH[i]#--trace-dir=}" ;;
         --trace-interval* | --continuous-trace-iterations*) WINDOW=() ;;  # the user's window, with the trainer's defaults
-        --forward-backward-disaggregating) FBD=1 ;;
     esac
 done
 if [ "${TRACE:-1}" != 0 ] || [ -n "$USER_TRACE" ]; then
@@ -76,10 +75,8 @@ if [ -n "$TRACE_DIR" ] && [ "$status" -eq 0 ]; then
     # The newest file's run: a --trace-dir of the user's may also hold files of earlier runs.
     newest=$(ls -t "$TRACE_DIR"/benchmark-data-*.json 2>/dev/null | head -n 1 || true)
     run_id=$(python -c 'import json, sys; print(json.loads(open(sys.argv[1]).readline())["run_id"])' "$newest" 2>/dev/null || true)
-    DETECT=(-d)
-    [ -n "$FBD" ] && DETECT=()
-    echo "[trace] python scripts/aggregate.py -b $TRACE_DIR ${DETECT[*]} ${run_id:+--run-id $run_id}"
-    if ! python scripts/aggregate.py -b "$TRACE_DIR" "${DETECT[@]}" ${run_id:+--run-id "$run_id"} 2>&1 | tee "$OUT/aggregate.log" \
+    echo "[trace] python scripts/aggregate.py -b $TRACE_DIR -d ${run_id:+--run-id $run_id}"
+    if ! python scripts/aggregate.py -b "$TRACE_DIR" -d ${run_id:+--run-id "$run_id"} 2>&1 | tee "$OUT/aggregate.log" \
             || [ ! -f "$TRACE_DIR/merged_trace.json" ]; then
         status=1 failed="aggregation (log: $OUT/aggregate.log)"
     fi
@@ -98,12 +95,8 @@ if [ -z "$TRACE_DIR" ]; then
     echo "  trace          none (TRACE=0); run without TRACE=0 to trace"
 else
     echo "  merged trace   $TRACE_DIR/merged_trace.json  (open in https://ui.perfetto.dev or chrome://tracing)"
-    if [ -n "$FBD" ]; then
-        echo "  detection      skipped: slow-rank detection does not yet tell MegaFBD's forward and backward instances apart"
-    else
-        verdict=$(grep -o -m 1 "verdict: [a-z]*" "$TRACE_DIR/detection.txt" 2>/dev/null || echo "verdict in")
-        echo "  detection      $TRACE_DIR/report.html  ($verdict; $TRACE_DIR/detection.txt)"
-    fi
+    verdict=$(grep -o -m 1 "verdict: [a-z]*" "$TRACE_DIR/detection.txt" 2>/dev/null || echo "verdict in")
+    echo "  detection      $TRACE_DIR/report.html  ($verdict; $TRACE_DIR/detection.txt)"
 fi
 echo "  checkpoints    $OUT/checkpoints  (resume with: bash run_single.sh -- --load $OUT/checkpoints)"
 [ ${#TB[@]} -gt 0 ] && echo "  tensorboard    tensorboard --logdir $OUT/tensorboard"

@@ -36,3 +36,22 @@ def test_roles_are_separate_tracks_in_the_aggregated_trace(tmp_path):
     spans = Counter((e["pid"], e["name"]) for e in data["traceEvents"] if e["ph"] == "X")
     assert all(spans[(rank, "backward")] == 0 for rank, role, _ in ROLES if role == "fwd")
     assert all(spans[(rank, "backward")] > 0 for rank, role, _ in ROLES if role == "bwd")
+
+
+def test_detection_compares_forward_instances_with_forward_instances_only():
+    """A forward instance (no backward, no optimizer) and the backward instance of the same
+    coordinates do different work: detection never makes them each other's peers, and the weight
+    hand-off (far larger than any other message) is not judged against activations and RNG states."""
+    fbd_run("pp2")
+    trace_dir = launch_dir("pp2") / "trace"
+    proc = python(["-m", "megatron.scan", "detect", str(trace_dir), "--json"], timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    role = {rank: r for rank, r, _ in ROLES}
+    for rank, finding in result["stages"]["compute"]["ranks"].items():
+        assert all(role[peer] == role[int(rank)] for peer in finding["peers"]), finding
+    for link in result["stages"]["pipeline"]["links"]:
+        if {role[link["src"]], role[link["dst"]]} == {"fwd", "bwd"} and link["src"] < 2:  # bwd -> fwd: weights
+            assert not link["flagged"], link
+    assert not [s for s in result["suspects"] if s["kind"] == "rank" and "compute" in json.dumps(s)
+                and role[s["ranks"][0]] == "fwd"], result["suspects"]

@@ -49,22 +49,26 @@ def pipeline_analysis(data: DetectionInput, *, z_link: float = 4.0, min_excess_m
     # backward) on the other links: a receiver that posted its receive long before the data came
     # sleeps and must be woken, which on a busy host takes milliseconds, so the direction whose
     # receives are posted early (backward, in 1F1B) is slower on every link alike.
+    # Only messages of about the same size are compared (within a factor of 2): a link that carries
+    # only larger messages (MegaFBD's weight hand-off beside activations and RNG states) is slower
+    # without being slow, and one with nothing comparable is not judged.
     kind = t["backward"].astype(bool)
+    size_class = np.round(np.log2(np.maximum(t["bytes"].astype(np.float64), 1.0))).astype(np.int64)
     residual = np.zeros(len(delivery))
     baseline_of = np.zeros(len(delivery))
     for index in range(len(pairs)):
         mine = pair_id == index
         for k in (False, True):
-            these = mine & (kind == k)
-            if not these.any():
-                continue
-            others = ~mine & (kind == k)
-            if not others.any():
-                others = ~mine  # no other link carries this direction (PP=2, DP=1): all other links
-            if not others.any():
-                continue
-            residual[these] = log_delivery[these] - np.median(log_delivery[others])
-            baseline_of[these] = np.median(delivery[others])
+            for size in np.unique(size_class[mine & (kind == k)]):
+                these = mine & (kind == k) & (size_class == size)
+                comparable = ~mine & (np.abs(size_class - size) <= 1)
+                others = comparable & (kind == k)
+                if not others.any():
+                    others = comparable  # no other link carries this direction (PP=2, DP=1): the other links
+                if not others.any():
+                    continue
+                residual[these] = log_delivery[these] - np.median(log_delivery[others])
+                baseline_of[these] = np.median(delivery[others])
     for index, (src, dst) in enumerate(pairs):
         mine = pair_id == index
         others = ~mine
