@@ -93,7 +93,7 @@ def install_parallel_state(layout: FBDLayout, made: dict[tuple[int, ...], object
         setattr(parallel_state, name, None if mine[kind] is None else list(mine[kind]))
     if layout.threaded and rank >= layout.mesh_size:
         # A forward host runs every stage (one thread each): the pipeline is pp stages, all on this
-        # rank; the stage a model is built for is set per chunk (megatron/fbd/threads.py).
+        # rank; each chunk is built for its stage through its own pipeline group view (threads.py).
         parallel_state._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = layout.pp
         parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK = 0
         parallel_state._PIPELINE_GLOBAL_RANKS = [rank] * layout.pp
