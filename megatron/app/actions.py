@@ -22,7 +22,7 @@ from megatron.app.schedule import PipelineLayout, Task, TaskKind, format_schedul
 
 __all__ = ["Op", "Action", "PAYLOADS", "message_tag", "control_tag", "compute", "receive_of", "sends_after",
            "send_of", "lower", "eager_receives", "step_actions", "compute_tasks", "format_actions",
-           "check_matching", "describe"]
+           "check_matching"]
 
 
 class Op(str, enum.Enum):
@@ -162,24 +162,24 @@ def step_actions() -> list[Action]:
 
 
 def lower(layout: PipelineLayout, pp_rank: int, order: Sequence[Task], *, forward_only: bool = False,
-          eager: bool = False, step: bool = False) -> list[Action]:
+          step: bool = False) -> list[Action]:
     """A static order of compute tasks -> the rank's action list.
 
-    Just-in-time receives (the default): the RECV of the next task's input is placed right after
-    the previous task's SEND, so the executor posts them as one batch and blocks only on the input
-    of the task it is about to run. Eager receives: every forward's input is received up front and
-    each backward's after its forward (what a dynamic order does). `forward_only` drops backwards
-    (evaluation); `step` ends the list with the gradient reduction and the optimizer step."""
+    The RECV of each task's input is placed right after the previous task's SEND (just-in-time
+    receives), so the executor posts them as one batch and blocks only on the input of the task it
+    is about to run. A dynamic order uses the same rules with eager receives (`eager_receives`,
+    `sends_after(eager=True)`). `forward_only` drops backwards (evaluation); `step` ends the list
+    with the gradient reduction and the optimizer step."""
     tasks = [task for task in order if task.is_forward or not forward_only]
-    actions: list[Action] = eager_receives(layout, pp_rank, tasks) if eager else []
+    actions: list[Action] = []
     for index, task in enumerate(tasks):
-        if not eager and index == 0:
+        if index == 0:
             receive = receive_of(layout, pp_rank, task)
             if receive is not None:
                 actions.append(receive)
         actions.append(compute(task))
-        actions.extend(sends_after(layout, pp_rank, task, eager=eager, forward_only=forward_only))
-        if not eager and index + 1 < len(tasks):
+        actions.extend(sends_after(layout, pp_rank, task, forward_only=forward_only))
+        if index + 1 < len(tasks):
             receive = receive_of(layout, pp_rank, tasks[index + 1])
             if receive is not None:
                 actions.append(receive)
@@ -219,9 +219,3 @@ def check_matching(layout: PipelineLayout, programs: Sequence[Sequence[Action]])
         src, dst, tag = unmatched[0]
         side = "SEND without RECV" if (src, dst, tag) in sends else "RECV without SEND"
         raise ValueError(f"{len(unmatched)} unmatched message(s); first: {side}, rank {src} -> rank {dst}, tag {tag}")
-
-
-def describe(actions: Sequence[Action]) -> str:
-    """The compute order with the communication count, for logs."""
-    communication = sum(1 for action in actions if action.is_communication)
-    return f"{format_schedule(compute_tasks(actions))} ({communication} sends/receives)"

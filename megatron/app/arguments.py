@@ -299,10 +299,6 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     )
 
 
-def _field_default(section: type, name: str):
-    return next(item.default for item in dataclasses.fields(section) if item.name == name)
-
-
 def _iteration_counts(args: argparse.Namespace) -> tuple[int, int, int | None]:
     """(train iters, warmup iters, decay iters) from Megatron-LM's iteration-, sample- or
     fraction-based flags; a fixed global batch turns samples into iterations."""
@@ -310,7 +306,7 @@ def _iteration_counts(args: argparse.Namespace) -> tuple[int, int, int | None]:
     if args.train_samples is not None and args.train_iters is not None:
         raise ConfigError("--train-iters and --train-samples were both given; pass one")
     train_iters = args.train_iters if args.train_iters is not None else (
-        args.train_samples // batch if args.train_samples is not None else _field_default(TrainingConfig, "train_iters"))
+        args.train_samples // batch if args.train_samples is not None else TrainingConfig().train_iters)
     decay_iters = args.lr_decay_iters
     if args.lr_decay_samples is not None:
         if decay_iters is not None:

@@ -66,10 +66,6 @@ def microbatch_loss(output: torch.Tensor, batch: Microbatch) -> tuple[torch.Tens
     return (output.float() * mask).sum() / tokens.clamp(min=1), int(tokens)
 
 
-class ScheduleExecutionError(RuntimeError):
-    pass
-
-
 @dataclass(frozen=True, slots=True)
 class IterationSteps:
     """What the step actions of an iteration do (the trainer supplies them): the data-parallel
@@ -240,7 +236,7 @@ class PipelineExecutor:
         sends, receives = self._sends, self._receives
         self._sends, self._receives = [], []
         observer = get_observer()
-        with observer.span("send", **sends[0][1]) if sends else _nothing():
+        with observer.span("send", **sends[0][1]) if sends else contextlib.nullcontext():
             handles = self.transport.post([m for m, _, _ in sends], [m for _, m, _ in receives])
         for _, attrs, _ in sends[1:]:
             with observer.span("send", **attrs):
@@ -331,11 +327,3 @@ class PipelineExecutor:
 
 def _payload_attr(action: Action) -> dict:
     return {"payload": action.payload} if action.payload else {}
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

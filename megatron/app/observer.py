@@ -69,6 +69,7 @@ class FanOutObserver:
 
 
 _observer: Observer = NullObserver()
+_wants_collectives = False
 
 
 def get_observer() -> Observer:
@@ -86,6 +87,7 @@ def set_observer(observer: Observer | None) -> None:
         _observer.observers.append(observer)
     else:
         _observer = FanOutObserver([_observer, observer])
+    _update()
 
 
 def remove_observer(observer: Observer) -> None:
@@ -95,11 +97,19 @@ def remove_observer(observer: Observer) -> None:
         _observer = NullObserver()
     elif isinstance(_observer, FanOutObserver) and observer in _observer.observers:
         _observer.observers.remove(observer)
+    _update()
 
 
-def observing() -> bool:
-    """Whether any observer is installed (the collective wrappers skip their bookkeeping if not)."""
-    return not isinstance(_observer, NullObserver)
+def wants_collectives() -> bool:
+    """Whether an installed observer takes collectives (the wrappers skip their bookkeeping if not);
+    kept up to date by set_observer / remove_observer, so the hot path reads one global."""
+    return _wants_collectives
+
+
+def _update() -> None:
+    global _wants_collectives
+    members = _observer.observers if isinstance(_observer, FanOutObserver) else [_observer]
+    _wants_collectives = any(not isinstance(o, NullObserver) and hasattr(o, "collective") for o in members)
 
 
 def span(kind: str, **attrs: Any) -> contextlib.AbstractContextManager:

@@ -123,11 +123,6 @@ def available_plugins() -> list[Plugin]:
     return [factory() for factory in _REGISTRY.values()]  # registration order
 
 
-def _describe(name: str, candidates: dict[str, Plugin]) -> str:
-    plugin = candidates.get(name)
-    return f"the {name} plugin ({plugin.flag})" if plugin is not None and plugin.flag else f"the {name} plugin"
-
-
 def resolve_plugins(candidates: list[Plugin], args: argparse.Namespace) -> "PluginSet":
     """The plugins the flags turn on (and those they enable), checked and ordered: a missing
     requirement or a conflict is a ConfigError listing every problem; a plugin comes after what
@@ -148,10 +143,12 @@ def resolve_plugins(candidates: list[Plugin], args: argparse.Namespace) -> "Plug
         plugin = by_name[name]
         for needed in plugin.requires:
             if needed not in on:
-                problems.append(f"{plugin.flag or name} needs {_describe(needed, by_name)}: add its flag")
+                wanted = by_name.get(needed)
+                flag = f" ({wanted.flag})" if wanted is not None and wanted.flag else ""
+                problems.append(f"{plugin.flag or name} needs the {needed} plugin{flag}: add its flag")
         for other, why in plugin.conflicts.items():
             if other in on:
-                problems.append(f"{plugin.flag or name} cannot run with {_flag(other, by_name)}: {why}")
+                problems.append(f"{plugin.flag or name} cannot run with {by_name[other].flag or other}: {why}")
     if problems:
         raise ConfigError("; ".join(problems))
     ordered: list[Plugin] = []
@@ -177,11 +174,6 @@ def resolve_plugins(candidates: list[Plugin], args: argparse.Namespace) -> "Plug
     for plugin in ordered:
         plugin.peers = {other.name: other for other in ordered if other is not plugin}
     return PluginSet(ordered)
-
-
-def _flag(name: str, candidates: dict[str, Plugin]) -> str:
-    plugin = candidates.get(name)
-    return plugin.flag if plugin is not None and plugin.flag else name
 
 
 class PluginSet:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from megatron.app.actions import Op, receive_of, send_of
+from megatron.app.actions import receive_of, send_of
 from megatron.app.simulator_trace import to_chrome_trace, write_chrome_trace
 from megatron.app.schedule import (
     SCHEDULES,
@@ -362,7 +362,7 @@ def receive_index(layout: PipelineLayout) -> dict[tuple[int, int, int], Task]:
     for rank in range(layout.pp_size):
         for task in layout.tasks():
             receive = receive_of(layout, rank, task)
-            if receive is not None and receive.op is Op.RECV:
+            if receive is not None:
                 index[(rank, receive.peer, receive.tag)] = task
     return index
 
@@ -453,19 +453,18 @@ def parse_link_latency(text: str) -> tuple[tuple[int, int], float]:
         raise argparse.ArgumentTypeError(f"expected SRC:DST:MS such as 1:2:0.5, got {text!r}") from None
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m megatron.app.simulator",
-        description="Simulate a pipeline schedule on per-task costs (no model, no torch).",
-    )
+def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
+    """The layout and cost-model flags (milliseconds, GB/s) every simulator command line takes."""
     parser.add_argument("--pp", type=int, required=True, help="pipeline-parallel size (ranks)")
-    parser.add_argument("--chunks", type=int, default=1, help="model chunks (virtual stages) per rank")
+    parser.add_argument("--chunks", type=int, default=1,
+                        help="model chunks (virtual stages) per rank (default %(default)s)")
     parser.add_argument("--microbatches", type=int, required=True, help="microbatches per iteration")
-    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default=None,
-                        help="static order (default: 1f1b with one chunk, interleaved with more)")
-    parser.add_argument("--forward-ms", type=float, default=1.0, help="forward of one chunk on one microbatch")
-    parser.add_argument("--backward-ms", type=float, default=2.0, help="backward of one chunk on one microbatch")
-    parser.add_argument("--p2p-ms", type=float, default=0.0, help="latency of every link between ranks")
+    parser.add_argument("--forward-ms", type=float, default=1.0,
+                        help="forward of one chunk on one microbatch, in ms (default %(default)s)")
+    parser.add_argument("--backward-ms", type=float, default=2.0,
+                        help="backward of one chunk on one microbatch, in ms (default %(default)s)")
+    parser.add_argument("--p2p-ms", type=float, default=0.0,
+                        help="latency of every link between ranks, in ms (default %(default)s)")
     parser.add_argument("--link-ms", type=parse_link_latency, action="append", default=[], metavar="SRC:DST:MS",
                         help="latency of one link, overriding --p2p-ms (repeatable)")
     parser.add_argument("--message-bytes", type=float, default=0.0, help="bytes per activation/gradient message")
@@ -475,6 +474,30 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--jitter", type=float, default=0.0, help="relative compute jitter in [0, 1]")
     parser.add_argument("--link-jitter", type=float, default=0.0, help="relative transfer jitter in [0, 1]")
     parser.add_argument("--seed", type=int, default=0, help="seed of the jitter draws (default %(default)s)")
+
+
+def simulation_from_args(args: argparse.Namespace) -> tuple[PipelineLayout, CostModel]:
+    """The layout and cost model the flags of add_simulation_arguments describe; ValueError
+    (ScheduleError included) with what to change."""
+    layout = PipelineLayout(args.pp, args.chunks, args.microbatches)
+    for rank, _ in args.slow_rank:
+        if not 0 <= rank < args.pp:
+            raise ScheduleError(f"--slow-rank names rank {rank}, but --pp {args.pp} has ranks 0..{args.pp - 1}")
+    costs = CostModel(forward_time=args.forward_ms, backward_time=args.backward_ms, p2p_latency=args.p2p_ms,
+                      link_latency=dict(args.link_ms), message_bytes=args.message_bytes,
+                      bandwidth_gbs=args.bandwidth_gbs, rank_slowdown=dict(args.slow_rank), jitter=args.jitter,
+                      link_jitter=args.link_jitter, seed=args.seed)
+    return layout, costs
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron.app.simulator",
+        description="Simulate a pipeline schedule on per-task costs (no model, no torch).",
+    )
+    add_simulation_arguments(parser)
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default=None,
+                        help="static order (default: 1f1b with one chunk, interleaved with more)")
     parser.add_argument("--chrome-trace", metavar="PATH", help="write a Chrome trace JSON here")
     parser.add_argument("--print-schedule", action="store_true", help="print each rank's static order")
     return parser
@@ -506,22 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     name = args.schedule or ("1f1b" if args.chunks == 1 else "interleaved")
     try:
-        layout = PipelineLayout(args.pp, args.chunks, args.microbatches)
-        for rank, _ in args.slow_rank:
-            if not 0 <= rank < args.pp:
-                raise ScheduleError(f"--slow-rank names rank {rank}, but --pp {args.pp} has ranks 0..{args.pp - 1}")
-        costs = CostModel(
-            forward_time=args.forward_ms,
-            backward_time=args.backward_ms,
-            p2p_latency=args.p2p_ms,
-            link_latency=dict(args.link_ms),
-            message_bytes=args.message_bytes,
-            bandwidth_gbs=args.bandwidth_gbs,
-            rank_slowdown=dict(args.slow_rank),
-            jitter=args.jitter,
-            link_jitter=args.link_jitter,
-            seed=args.seed,
-        )
+        layout, costs = simulation_from_args(args)
         policies = static_policies(layout, name)
     except ValueError as error:  # ScheduleError and bad costs: the message already says what to change
         print(f"error: {error}", file=sys.stderr)

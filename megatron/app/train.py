@@ -210,16 +210,6 @@ def set_learning_rate(ctx: TrainContext) -> float:
     return lr
 
 
-def sync_grads_and_step(ctx: TrainContext, plugins: PluginSet, iteration: int,
-                        num_tokens: int = 0) -> tuple[bool, float]:
-    """Gradient sync over the data-parallel group, then the optimizer step, with the plugin hooks
-    around it, for a step runner that does not end its iteration through the executor's step
-    actions. Returns (updated, grad norm). `num_tokens`: the loss tokens this rank's last stage
-    saw (for --calculate-per-token-loss)."""
-    reduce_grads(ctx, iteration, num_tokens)
-    return optimizer_step(ctx, plugins, iteration)
-
-
 def reduce_grads(ctx: TrainContext, iteration: int, num_tokens: int = 0) -> None:
     """The REDUCE_GRADS action: data-parallel gradient sync (and the per-token division)."""
     with span("grad_sync", iteration=iteration):

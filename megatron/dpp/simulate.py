@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron.app.schedule import PipelineLayout, ScheduleError
-from megatron.app.simulator import (CostModel, SimulationDeadlock, parse_link_latency, parse_slow_rank, simulate,
-                                    static_policies, write_chrome_trace)
+from megatron.app.simulator import (CostModel, SimulationDeadlock, add_simulation_arguments, simulate,
+                                    simulation_from_args, static_policies, write_chrome_trace)
 
 from .policy import POLICY_NAMES, default_budget, dpp_policies
 
@@ -68,23 +68,9 @@ def format_table(rows: Sequence[Comparison]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron.dpp.simulate",
                                      description="Static schedule vs DPP policies on a simulated pipeline.")
-    parser.add_argument("--pp", type=int, required=True, help="pipeline-parallel size (ranks)")
-    parser.add_argument("--chunks", type=int, default=1,
-                        help="model chunks (virtual stages) per rank (default %(default)s)")
-    parser.add_argument("--microbatches", type=int, required=True, help="microbatches per iteration")
-    parser.add_argument("--forward-ms", type=float, default=1.0,
-                        help="forward of one chunk on one microbatch, in ms (default %(default)s)")
-    parser.add_argument("--backward-ms", type=float, default=2.0,
-                        help="backward of one chunk on one microbatch, in ms (default %(default)s)")
-    parser.add_argument("--p2p-ms", type=float, default=0.0,
-                        help="latency of every link between ranks, in ms (default %(default)s)")
-    parser.add_argument("--link-ms", type=parse_link_latency, action="append", default=[], metavar="SRC:DST:MS",
-                        help="latency of one link, overriding --p2p-ms (repeatable)")
-    parser.add_argument("--slow-rank", type=parse_slow_rank, action="append", default=[], metavar="RANK:FACTOR",
-                        help="multiply a rank's compute time, e.g. 2:1.5 (repeatable)")
-    parser.add_argument("--jitter", type=float, default=0.0, help="relative compute jitter in [0, 1]")
-    parser.add_argument("--link-jitter", type=float, default=0.0, help="relative transfer jitter in [0, 1]")
-    parser.add_argument("--seeds", type=int, default=20, help="jitter seeds to average over")
+    add_simulation_arguments(parser)
+    parser.add_argument("--seeds", type=int, default=20,
+                        help="jitter seeds to average over, from --seed on (default %(default)s)")
     parser.add_argument("--budget", type=int, default=None, help="stored activations per rank (all policies)")
     parser.add_argument("--policy", choices=POLICY_NAMES, action="append", default=None,
                         help="a DPP policy to compare with the static schedule (repeatable; default: all)")
@@ -92,10 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     policies = args.policy or list(POLICY_NAMES)
     try:
-        layout = PipelineLayout(args.pp, args.chunks, args.microbatches)
-        costs = CostModel(forward_time=args.forward_ms, backward_time=args.backward_ms, p2p_latency=args.p2p_ms,
-                          link_latency=dict(args.link_ms), rank_slowdown=dict(args.slow_rank), jitter=args.jitter,
-                          link_jitter=args.link_jitter)
+        layout, costs = simulation_from_args(args)
         rows = compare(layout, costs, seeds=max(1, args.seeds), budget=args.budget, policies=policies)
     except (ValueError, ScheduleError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -102,7 +102,8 @@ class _Role:
         self.executor = PipelineExecutor(self.chunks, stage, transport or ctx.transport or TorchDistributedTransport(),
                                          order=ActionList(self.actions, SCHEDULE_NAME))
         self.executor.handlers[Op.WEIGHTS] = self._weights
-        self.executor.buffers["R"] = lambda: torch.empty(rng_snapshot().numel(), dtype=torch.uint8)
+        self.rng_bytes = rng_snapshot().numel()  # the generators (and tracker streams) exist by now
+        self.executor.buffers["R"] = lambda: torch.empty(self.rng_bytes, dtype=torch.uint8)
 
     def role_actions(self) -> list[Action]:
         raise NotImplementedError

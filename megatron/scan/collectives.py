@@ -116,7 +116,7 @@ class CollectiveObserver:
                 return original(*args, **kwargs)
             info.seq += 1
             recording = observer.recording
-            if not recording and not observer.listeners and not spine.observing():
+            if not recording and not observer.listeners and not spine.wants_collectives():
                 return original(*args, **kwargs)
             seq = info.seq - 1
             size, dtype, async_op = 0, None, False

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from megatron.app.actions import (PAYLOADS, Action, Op, check_matching, compute_tasks, control_tag,
-                                  format_actions, lower, message_tag)
+from megatron.app.actions import (PAYLOADS, Action, Op, check_matching, compute, compute_tasks, control_tag,
+                                  eager_receives, format_actions, lower, message_tag, sends_after)
 from megatron.app.schedule import SCHEDULES, PipelineLayout, build_schedule, parse_schedule
 from megatron.app.simulator import CostModel, SimulationDeadlock, simulate_schedule
 from megatron.app.simulator_actions import simulate_actions, simulate_lowered
@@ -30,8 +30,14 @@ def test_1f1b_on_two_ranks_lowers_to_receives_just_before_use_and_sends_right_af
 @pytest.mark.parametrize("name,layout", LAYOUTS, ids=lambda v: str(v))
 @pytest.mark.parametrize("eager", [False, True], ids=["just-in-time", "eager"])
 def test_every_lowered_send_meets_one_receive_and_the_compute_order_is_kept(name, layout, eager):
+    """Just-in-time: the lowering pass. Eager: what a dynamic order yields for the same order."""
     orders = [build_schedule(name, layout, rank) for rank in range(layout.pp_size)]
-    programs = [lower(layout, rank, order, eager=eager) for rank, order in enumerate(orders)]
+    if eager:
+        programs = [eager_receives(layout, rank, order)
+                    + [a for task in order for a in (compute(task), *sends_after(layout, rank, task, eager=True))]
+                    for rank, order in enumerate(orders)]
+    else:
+        programs = [lower(layout, rank, order) for rank, order in enumerate(orders)]
     check_matching(layout, programs)
     for order, program in zip(orders, programs):
         assert compute_tasks(program) == order
