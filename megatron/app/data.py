@@ -278,17 +278,27 @@ class MicrobatchSource:
             raise ValueError(f"dp_rank {dp_rank} is outside 0..{self.data_parallel_size - 1}")
         if not 0 <= microbatch_index < self.num_microbatches:
             raise ValueError(f"microbatch {microbatch_index} is outside 0..{self.num_microbatches - 1}")
-        start = (
-            iteration * self.global_batch_size
-            + dp_rank * (self.global_batch_size // self.data_parallel_size)
-            + microbatch_index * self.micro_batch_size
-        )
+        return self.global_sample_indices(iteration, dp_rank * self.num_microbatches + microbatch_index)
+
+    def global_sample_indices(self, iteration: int, global_microbatch: int) -> range:
+        """The samples of the global batch's `global_microbatch`-th run of mbs samples (replica r's
+        microbatch m is global microbatch r * num_microbatches + m under an even split)."""
+        count = self.num_microbatches * self.data_parallel_size
+        if not 0 <= global_microbatch < count:
+            raise ValueError(f"global microbatch {global_microbatch} is outside 0..{count - 1}")
+        start = iteration * self.global_batch_size + global_microbatch * self.micro_batch_size
         return range(start, start + self.micro_batch_size)
 
     def get(self, iteration: int, dp_rank: int, microbatch_index: int) -> dict[str, torch.Tensor]:
         """{tokens, labels, position_ids: int64 [mbs, seq]; loss_mask: float32 [mbs, seq];
         attention_mask: bool [mbs, 1, seq, seq] (True = masked), only if the dataset makes it}."""
-        indices = self.sample_indices(iteration, dp_rank, microbatch_index)
+        return self._get(iteration, self.sample_indices(iteration, dp_rank, microbatch_index))
+
+    def get_global(self, iteration: int, global_microbatch: int) -> dict[str, torch.Tensor]:
+        """The same batch dict, by the microbatch's index in the whole global batch."""
+        return self._get(iteration, self.global_sample_indices(iteration, global_microbatch))
+
+    def _get(self, iteration: int, indices: range) -> dict[str, torch.Tensor]:
         if indices.stop > len(self.dataset):
             raise DataError(
                 f"{self.name} batch {iteration} needs samples up to {indices.stop} but the {self.name} "

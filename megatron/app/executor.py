@@ -125,6 +125,9 @@ class PipelineExecutor:
         # --fp16: multiplies the last stage's loss by the loss scale before its backward.
         self.grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.per_token_loss = False  # --calculate-per-token-loss
+        # Each microbatch's loss is divided by this (None: by the iteration's microbatch count); a
+        # microbatch plan sets the even split's count, whatever this replica's share.
+        self.loss_microbatches: int | None = None
         self.handlers: dict[Op, Callable[[Action, Callable[[int], Microbatch]], None]] = {
             Op.FORWARD: self._forward,
             Op.BACKWARD: self._backward,
@@ -300,7 +303,7 @@ class PipelineExecutor:
                     if self.per_token_loss:  # summed; the trainer divides by the global batch's tokens
                         output = (output.float() * batch["loss_mask"]).sum()
                     else:
-                        output = loss / self.stage.layout.num_microbatches
+                        output = loss / (self.loss_microbatches or self.stage.layout.num_microbatches)
                 elif keep_output:
                     self._outbox[(task, task.kind.value)] = output.detach()
         if train:

@@ -12,16 +12,17 @@ def print_rank_0(message: str) -> None:
         print(message, flush=True)
 
 
-def _dp_mean(value: float, ctx) -> float:
-    """Average a last-stage scalar over the data-parallel replicas."""
+def _dp_mean(value: float, ctx, weight: float = 1.0) -> float:
+    """Average a last-stage scalar over the data-parallel replicas, each weighted by `weight` (its
+    microbatch count: under a microbatch plan the replicas' shares of the global batch differ)."""
     from megatron.core import parallel_state
 
     group = parallel_state.get_data_parallel_group()
     if dist.get_world_size(group) == 1:
         return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=ctx.backend.device)
+    tensor = torch.tensor([value * weight, weight], dtype=torch.float64, device=ctx.backend.device)
     dist.all_reduce(tensor, group=group)
-    return float(tensor.item()) / dist.get_world_size(group)
+    return float(tensor[0].item()) / float(tensor[1].item())
 
 
 class MetricsLogger:
@@ -49,7 +50,7 @@ class MetricsLogger:
         loss = None
         if self.is_last_stage:
             # The dp all-reduce runs on every last-stage rank, so all of them take part.
-            loss = _dp_mean(metrics["lm loss"], self.ctx)
+            loss = _dp_mean(metrics["lm loss"], self.ctx, metrics.get("microbatches") or 1)
         if self.ctx.is_logging_rank:
             t = self.ctx.cfg.training
             per_iter_ms = self.elapsed / self.count * 1e3

@@ -30,6 +30,7 @@ class MegatronCoreSchedule:
     def __init__(self, chunks: Sequence[torch.nn.Module], stage: StageContext) -> None:
         self.chunks = list(chunks)
         self.stage = stage
+        self.loss_microbatches: int | None = None  # as PipelineExecutor's: the loss divisor of a plan
 
     def run(self, tasks, get_microbatch: Callable[[int], Microbatch],
             forward_only: bool = False, steps: IterationSteps | None = None) -> IterationResult:
@@ -54,7 +55,10 @@ class MegatronCoreSchedule:
                     # the sum and its token count; the trainer divides by the global batch's tokens
                     total = (per_token_loss.float() * batch["loss_mask"]).sum()
                     return total, torch.tensor(tokens, dtype=torch.int), {"lm loss": loss.detach().clone()}
-                # megatron-core divides the returned loss by the microbatch count (in place)
+                # megatron-core divides the returned loss by the microbatch count (in place); under
+                # a microbatch plan the division must be by the even split's count instead
+                if self.loss_microbatches and self.loss_microbatches != layout.num_microbatches:
+                    return loss * (layout.num_microbatches / self.loss_microbatches), {"lm loss": loss.detach().clone()}
                 return loss, {"lm loss": loss.detach().clone()}
 
             return output, loss_func

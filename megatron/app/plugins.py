@@ -93,7 +93,8 @@ _REGISTRY: dict[str, Callable[[], Plugin]] = {}
 # Plugins shipped in this distribution, imported lazily so a missing optional dependency of
 # one plugin never breaks training without it. Modules register themselves on import.
 _BUILTIN_MODULES: tuple[str, ...] = ("megatron.scan.plugin", "megatron.scan.inject", "megatron.scan.watchdog", "megatron.scan.metrics", "megatron.scope.plugin",
-                                     "megatron.scan.detect.online", "megatron.fbd.plugin", "megatron.dpp.plugin")
+                                     "megatron.scan.detect.online", "megatron.fbd.plugin", "megatron.dpp.plugin",
+                                     "megatron.mitigation.plugin")
 
 
 def register_plugin(factory: Callable[[], Plugin]) -> Callable[[], Plugin]:

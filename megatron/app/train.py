@@ -24,6 +24,7 @@ from megatron.app.device import DeviceBackend, DeviceError, build_backend, enabl
 from megatron.app.executor import IterationResult, IterationSteps, PipelineExecutor, StageContext, activation_shape
 from megatron.app.logs import MetricsLogger, print_rank_0
 from megatron.app.mcore_schedule import MegatronCoreSchedule
+from megatron.app.microbatches import MicrobatchPlan
 from megatron.app.model import build_model_chunks, count_parameters, unwrap_model
 from megatron.app.observer import span
 from megatron.app.plugins import PluginSet, available_plugins, resolve_plugins
@@ -59,6 +60,10 @@ class TrainContext:
     secondary: bool = False
     step_runner: Any = None
     evaluator: Any = None  # (ctx, iteration) -> validation loss, or None where this rank has none
+    # Which microbatches of the global batch each replica trains on next (None: the even split);
+    # a plugin may change it between iterations (straggler mitigation).
+    microbatch_plan: MicrobatchPlan | None = None
+    _schedules: dict = field(default_factory=dict)  # microbatch count -> (layout, static order)
 
     @property
     def is_logging_rank(self) -> bool:
@@ -179,7 +184,8 @@ def default_executor(ctx: TrainContext):
 
 def train_step(ctx: TrainContext, plugins: PluginSet) -> dict[str, Any]:
     """One iteration: the executor runs this rank's action list, which ends with the gradient
-    reduction and the optimizer step."""
+    reduction and the optimizer step. Under a microbatch plan this replica runs its share of the
+    global batch, each loss divided by the even split's count, so the step is the even split's."""
     backend = ctx.backend
     iteration = ctx.iteration
     lr = set_learning_rate(ctx)
@@ -188,11 +194,31 @@ def train_step(ctx: TrainContext, plugins: PluginSet) -> dict[str, Any]:
         chunk.train()
     steps = IterationSteps(reduce_grads=lambda result: reduce_grads(ctx, iteration, result.num_tokens),
                            optimizer_step=lambda result: optimizer_step(ctx, plugins, iteration))
-    result: IterationResult = ctx.executor.run(ctx.schedule, lambda mb: ctx.data.train_microbatch(iteration, mb),
-                                               steps=steps)
+    plan = ctx.microbatch_plan or MicrobatchPlan.even(ctx.cfg.parallel.data_parallel_size, ctx.layout.num_microbatches)
+    first, count = plan.first(ctx.dp_rank), plan.count(ctx.dp_rank)
+    layout, schedule = planned_schedule(ctx, count)
+    ctx.stage.layout = layout
+    ctx.executor.loss_microbatches = plan.nominal
+    try:
+        result: IterationResult = ctx.executor.run(
+            schedule, lambda mb: ctx.data.train_global_microbatch(iteration, first + mb), steps=steps)
+    finally:
+        ctx.stage.layout = ctx.layout
+        ctx.executor.loss_microbatches = None
     return {"lm loss": result.mean_loss, "grad norm": result.grad_norm, "learning rate": lr,
-            "updated": result.updated, "num_tokens": result.num_tokens,
+            "updated": result.updated, "num_tokens": result.num_tokens, "microbatches": count,
             "loss scale": ctx.optimizer.loss_scale if ctx.cfg.model.fp16 else None}
+
+
+def planned_schedule(ctx: TrainContext, num_microbatches: int):
+    """The pipeline layout and static order for `num_microbatches` on this rank (built once per count)."""
+    if num_microbatches == ctx.layout.num_microbatches:
+        return ctx.layout, ctx.schedule
+    if num_microbatches not in ctx._schedules:
+        layout = PipelineLayout(pp_size=ctx.layout.pp_size, num_chunks=ctx.layout.num_chunks,
+                                num_microbatches=num_microbatches)
+        ctx._schedules[num_microbatches] = (layout, build_schedule(pick_schedule_name(ctx.cfg), layout, ctx.pp_rank))
+    return ctx._schedules[num_microbatches]
 
 
 def set_learning_rate(ctx: TrainContext) -> float:

@@ -35,18 +35,26 @@ class TrainingData:
             batch["attention_mask"] = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def _get(self, source: MicrobatchSource, key: tuple, batch_index: int, microbatch: int):
+    def _get(self, key: tuple, fetch):
         # First and last pipeline stages both ask for each microbatch; fetch it once.
         if key not in self._cache:
             if len(self._cache) > 64:
                 self._cache.clear()
-            self._cache[key] = self._prepare(source.get(batch_index, self.dp_rank, microbatch))
+            self._cache[key] = self._prepare(fetch())
         return self._cache[key]
 
     def train_microbatch(self, iteration: int, microbatch: int) -> dict[str, torch.Tensor]:
-        return self._get(self.train, ("train", iteration, microbatch), iteration, microbatch)
+        """This replica's `microbatch`-th microbatch under an even split of the global batch."""
+        return self.train_global_microbatch(iteration, self.dp_rank * self.train.num_microbatches + microbatch)
+
+    def train_global_microbatch(self, iteration: int, global_microbatch: int) -> dict[str, torch.Tensor]:
+        """A microbatch by its index in the whole global batch (a microbatch plan may give a replica
+        any contiguous run of them)."""
+        return self._get(("train", iteration, global_microbatch),
+                         lambda: self.train.get_global(iteration, global_microbatch))
 
     def valid_microbatch(self, batch_index: int, microbatch: int) -> dict[str, torch.Tensor]:
         if self.valid is None:
             raise ValueError("no validation split: --split gives it weight 0")
-        return self._get(self.valid, ("valid", batch_index, microbatch), batch_index, microbatch)
+        return self._get(("valid", batch_index, microbatch),
+                         lambda: self.valid.get(batch_index, self.dp_rank, microbatch))

@@ -52,6 +52,7 @@ def write_chrome_trace(trace: GlobalTrace, collectives: Collectives, p2p: P2PLin
         _metadata(trace, emit)
         counts["events"] = _complete_events(trace, collectives, p2p, base, emit, step)
         counts["flows"] = _flows(trace, collectives, p2p, base, emit, step)
+        counts["counters"] = _microbatch_counters(trace, base, emit)
         step.set(total)
         out.write("\n],\n")
         tail = {"displayTimeUnit": "ms",
@@ -68,6 +69,27 @@ def _metadata(trace: GlobalTrace, emit) -> None:
         for tid, name in THREADS.items():
             emit({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
             emit({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
+
+
+def _microbatch_counters(trace: GlobalTrace, base: int, emit) -> int:
+    """A "microbatches" counter track per rank: how many of the global batch's microbatches its
+    replica ran in each traced iteration (it changes where straggler mitigation moved work)."""
+    c = trace.columns
+    if "iteration" not in trace.names:
+        return 0
+    spans = c["name"] == trace.name_id("iteration")
+    starts = {(int(r), int(i)): int(t) for r, i, t in zip(c["rank"][spans], c["iteration"][spans], c["start"][spans])}
+    emitted = 0
+    for rank, windows in trace.windows.items():
+        for window in windows:
+            for record in window.get("metrics") or []:
+                start = starts.get((rank, record.get("iteration")))
+                if start is None or record.get("microbatches") is None:
+                    continue
+                emit({"ph": "C", "name": "microbatches", "pid": rank, "ts": float(_us(start - base)),
+                      "args": {"microbatches": record["microbatches"]}})
+                emitted += 1
+    return emitted
 
 
 def thread_of(trace: GlobalTrace) -> np.ndarray:

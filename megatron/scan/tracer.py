@@ -164,8 +164,11 @@ class Tracer:
         if not self.active:
             return
         if metrics is not None:
-            self._metrics.append({"iteration": iteration, "iteration_time": metrics.get("iteration_time"),
-                                  "loss": metrics.get("lm loss"), **self.counters.end()})
+            record = {"iteration": iteration, "iteration_time": metrics.get("iteration_time"),
+                      "loss": metrics.get("lm loss"), **self.counters.end()}
+            if metrics.get("microbatches") is not None:  # this replica's share of the global batch
+                record["microbatches"] = metrics["microbatches"]
+            self._metrics.append(record)
         if last or self.schedule.is_window_end(iteration):
             self.flush_window()
 

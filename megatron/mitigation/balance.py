@@ -1,0 +1,128 @@
+"""The arithmetic of straggler mitigation, free of torch and of the trainer: how many microbatches
+each data-parallel replica should run given the measured time of one microbatch on each, when a
+new plan is worth switching to (hysteresis), and how to re-split layers over slow pipeline stages.
+
+Cost model (the what-if the decisions and the summary use): a replica that runs `s` microbatches,
+each taking `t` seconds on its slowest stage, takes `(s + bubble) * t` seconds, `bubble` being
+the pipeline's fill and drain in microbatches ((pp - 1) / virtual stages per rank); the iteration
+takes as long as its slowest replica.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+
+def replica_cost(share: int, seconds_per_microbatch: float, bubble: float) -> float:
+    return (share + bubble) * seconds_per_microbatch
+
+
+def plan_cost(shares: Sequence[int], times: Sequence[float], bubble: float) -> float:
+    """Predicted seconds of compute of an iteration: the slowest replica's."""
+    return max(replica_cost(s, t, bubble) for s, t in zip(shares, times))
+
+
+def plan_shares(total: int, times: Sequence[float], *, bubble: float = 0.0, granularity: int = 1,
+                minimum: int = 1) -> tuple[int, ...]:
+    """Microbatches per replica, adding up to `total`, that minimise the slowest replica's cost.
+    Shares are multiples of `granularity` (the interleaved schedule runs whole groups of pp) and
+    at least `minimum` (a replica keeps being measured, so a recovered rank is seen). Equal times
+    give the even split; the result depends on nothing but the arguments (every rank computes it)."""
+    if total % granularity:
+        raise ValueError(f"{total} microbatches cannot be split in units of {granularity}")
+    floor = max(1, -(-minimum // granularity))
+    units = [floor] * len(times)
+    left = total // granularity - floor * len(times)
+    if left < 0:
+        raise ValueError(f"{total} microbatches cannot give {len(times)} replicas {floor * granularity} each")
+    for _ in range(left):
+        # Give the next unit to the replica that would finish it soonest (lowest index on ties).
+        best = min(range(len(times)), key=lambda d: (replica_cost((units[d] + 1) * granularity, times[d], bubble), d))
+        units[best] += 1
+    return tuple(u * granularity for u in units)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A change of plan: the new shares, and the predicted seconds of the old and new plan."""
+
+    shares: tuple[int, ...]
+    previous: tuple[int, ...]
+    predicted_before: float
+    predicted_after: float
+    times: tuple[float, ...]  # seconds per microbatch of each replica the decision used
+
+
+class Rebalancer:
+    """Decides, once per measurement, whether the replicas' shares should change.
+
+    Each measurement gives every replica's seconds per microbatch; the decision uses the median of
+    the last `window` of them (one noisy iteration is not a straggler), with replicas within
+    `threshold` of the median counted as the median (`snap`). A new plan is adopted only
+    when it is predicted to be faster than the current one by more than `threshold` in `patience`
+    consecutive measurements, and after a change the measurements start afresh; the same rule
+    brings the even split back when the slow rank recovers.
+    """
+
+    def __init__(self, data_parallel_size: int, nominal: int, *, bubble: float = 0.0, granularity: int = 1,
+                 threshold: float = 0.1, patience: int = 3, window: int = 5) -> None:
+        self.total = data_parallel_size * nominal
+        self.shares: tuple[int, ...] = (nominal,) * data_parallel_size
+        self.bubble = bubble
+        self.granularity = granularity
+        self.threshold = threshold
+        self.patience = patience
+        self.history: deque[tuple[float, ...]] = deque(maxlen=max(1, window))
+        self.streak = 0
+        self.times: tuple[float, ...] = ()
+
+    def observe(self, replica_times: Sequence[float]) -> Decision | None:
+        self.history.append(tuple(float(t) for t in replica_times))
+        self.times = snap(tuple(statistics.median(column) for column in zip(*self.history)), self.threshold)
+        if len(self.history) < self.history.maxlen:
+            return None  # a full window first (after a change too)
+        candidate = plan_shares(self.total, self.times, bubble=self.bubble, granularity=self.granularity)
+        now = plan_cost(self.shares, self.times, self.bubble)
+        then = plan_cost(candidate, self.times, self.bubble)
+        if candidate == self.shares or then >= now * (1.0 - self.threshold):
+            self.streak = 0
+            return None
+        self.streak += 1
+        if self.streak < self.patience:
+            return None
+        self.streak = 0
+        self.history.clear()  # the next decision measures the new plan afresh
+        decision = Decision(shares=candidate, previous=self.shares, predicted_before=now, predicted_after=then,
+                            times=self.times)
+        self.shares = candidate
+        return decision
+
+    def predicted(self, shares: Sequence[int] | None = None) -> float:
+        """Predicted seconds of `shares` (default: the current plan) at the latest measured times."""
+        return plan_cost(self.shares if shares is None else shares, self.times, self.bubble) if self.times else 0.0
+
+
+def snap(times: Sequence[float], tolerance: float) -> tuple[float, ...]:
+    """Replicas within `tolerance` of the median count as exactly the median: noise moves no work
+    and a healthy job keeps the even split; a straggler (or a replica really faster) keeps its own time."""
+    middle = statistics.median(times)
+    return tuple(middle if abs(t - middle) <= tolerance * middle else t for t in times)
+
+
+def split_layers(num_layers: int, seconds_per_layer: Sequence[float]) -> tuple[int, ...]:
+    """Layers per pipeline stage (each >= 1, adding up to `num_layers`) that minimise the slowest
+    stage's time, given each stage's measured seconds per layer."""
+    stages = len(seconds_per_layer)
+    if num_layers < stages:
+        raise ValueError(f"{num_layers} layers cannot give {stages} stages one each")
+    counts = [1] * stages
+    for _ in range(num_layers - stages):
+        best = min(range(stages), key=lambda p: ((counts[p] + 1) * seconds_per_layer[p], p))
+        counts[best] += 1
+    return tuple(counts)
+
+
+def stage_cost(split: Sequence[int], seconds_per_layer: Sequence[float]) -> float:
+    return max(n * t for n, t in zip(split, seconds_per_layer))

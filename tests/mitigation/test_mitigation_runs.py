@@ -1,0 +1,118 @@
+"""Straggler mitigation in real 4-rank gloo jobs: with a rank slowed, the replicas' shares of the
+global batch change and the loss curve stays the plain run's (same samples, same steps); a rank
+throttled from outside the job (cgroup CPU quota) is worked around and its cgroup is gone after."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import ROOT, env, free_port, torchrun
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+         "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "32",
+         "--lr", "1e-3", "--lr-warmup-iters", "2", "--log-interval", "1", "--device", "cpu", "--mock-data",
+         "--vocab-size", "256", "--train-iters", "18"]
+QUICK = ["--straggler-mitigation", "--mitigation-window", "3", "--mitigation-patience", "2"]
+ITERATION = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+)")
+SHARES = re.compile(r"\[mitigation\] iteration (\d+): DP shares( back to even)? ([0-9,]+) microbatches; (.*)")
+
+LAYOUTS = {
+    "dp4": [],
+    "pp2-dp2": ["--pipeline-model-parallel-size", "2"],
+    "tp2-dp2": ["--tensor-model-parallel-size", "2"],
+    # megatron-core's own interleaved schedule: shares move in groups of pp, the loss is rescaled
+    "pp2-dp2-vpp-mcore": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                          "--pipeline-schedule", "megatron-core"],
+}
+# A rank of the second replica (dp rank 1) in every layout.
+SLOW_RANK = {"dp4": 1, "pp2-dp2": 3, "tp2-dp2": 2, "pp2-dp2-vpp-mcore": 3}
+
+
+def curve(text: str) -> dict[int, tuple[float, float]]:
+    return {int(m.group(1)): (float(m.group(2)), float(m.group(3))) for m in ITERATION.finditer(text)}
+
+
+def changes(text: str) -> list[tuple[int, list[int]]]:
+    return [(int(m.group(1)), [int(s) for s in m.group(3).split(",")]) for m in SHARES.finditer(text)]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_loss_curve_is_the_plain_runs_with_a_rank_slowed(layout):
+    args = [*MODEL, *LAYOUTS[layout]]
+    plain = torchrun("pretrain_gpt.py", args, 4)
+    assert plain.returncode == 0, plain.stdout[-2000:] + plain.stderr[-3000:]
+    slowed = torchrun("pretrain_gpt.py", [*args, *QUICK, "--inject-slowdown", f"{SLOW_RANK[layout]}:4"], 4)
+    assert slowed.returncode == 0, slowed.stdout[-2000:] + slowed.stderr[-3000:]
+    moved = changes(slowed.stdout)
+    assert moved, "no [mitigation] plan change with a rank 4x slower:\n" + slowed.stdout[-3000:]
+    iteration, shares = moved[0]
+    assert sum(shares) == 32 // 1 and shares[1] < min(s for d, s in enumerate(shares) if d != 1), shares
+    assert f"rank {SLOW_RANK[layout]} at" in slowed.stdout
+    if "vpp" in layout:
+        assert all(s % 2 == 0 for s in shares), shares  # whole groups of pp for the interleaved schedule
+    a, b = curve(plain.stdout), curve(slowed.stdout)
+    assert sorted(a) == sorted(b) == list(range(1, 19))
+    for it in a:
+        assert b[it][0] == pytest.approx(a[it][0], rel=2e-6), (it, a[it], b[it])
+        assert b[it][1] == pytest.approx(a[it][1], rel=1e-3, abs=2e-3), (it, a[it], b[it])
+    assert "[mitigation] summary:" in slowed.stdout
+
+
+def test_healthy_run_keeps_the_even_split():
+    # Two ranks on this two-core machine: each has a core, so neither is slow (with four, the host's
+    # scheduler really does give some ranks less CPU for a while, and mitigation rightly acts on it).
+    run = torchrun("pretrain_gpt.py", [*[a if a != "18" else "24" for a in MODEL], "--straggler-mitigation"], 2)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert changes(run.stdout) == [], run.stdout[-3000:]
+    assert "[mitigation] summary: 0 plan changes; 0 iterations rebalanced" in run.stdout
+
+
+def test_flags_are_checked():
+    for bad, message in ((["--mitigation-threshold", "1.5"], "--mitigation-threshold must be in (0, 1)"),
+                         (["--mitigation-window", "0"], "--mitigation-window must be >= 1"),
+                         (["--forward-backward-disaggregating"], "cannot run with")):
+        run = torchrun("pretrain_gpt.py", [*MODEL, "--straggler-mitigation", *bad], 2)
+        assert run.returncode != 0 and message in run.stdout + run.stderr, run.stderr[-2000:]
+
+
+def _cgroup_writable() -> bool:
+    from megatron.scan.fault import cgroups, targets
+
+    try:
+        cgroups.CpuQuota(1.0, [])
+    except targets.FaultError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _cgroup_writable(), reason="needs a writable cgroup cpu hierarchy (root)")
+def test_a_rank_throttled_from_outside_gets_fewer_microbatches():
+    from megatron.scan.fault import cgroups
+
+    port = free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr",
+               "127.0.0.1", "--master-port", str(port), "pretrain_gpt.py",
+               *[a if a != "18" else "30" for a in MODEL], "--global-batch-size", "64", "--straggler-mitigation"]
+    job = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    fault = subprocess.Popen([sys.executable, "-m", "megatron.scan", "fault", "throttle", "--rank", "2",
+                              "--cpu-fraction", "0.15", "--job", f":{port}", "--wait", "120"],
+                             cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = job.communicate(timeout=400)
+        fault_out, _ = fault.communicate(timeout=60)
+    finally:
+        for proc in (job, fault):
+            if proc.poll() is None:
+                proc.kill()
+    assert job.returncode == 0, out[-3000:]
+    assert "throttled rank 2" in fault_out, fault_out
+    moved = changes(out)
+    assert moved, out[-3000:]
+    _, shares = moved[0]
+    assert shares[2] < 16 and sum(shares) == 64, shares
+    assert "rank 2 at" in out
+    assert cgroups.leftover_groups() == []
