@@ -116,3 +116,64 @@ def test_a_rank_throttled_from_outside_gets_fewer_microbatches():
     assert shares[2] < 16 and sum(shares) == 64, shares
     assert "rank 2 at" in out
     assert cgroups.leftover_groups() == []
+
+
+def test_changes_show_in_prometheus_and_in_the_merged_trace(tmp_path):
+    import json
+    import time
+
+    from launch import kill_tree, python
+    from megatron.scan.metrics import read_targets, scrape
+
+    trace = tmp_path / "trace"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), "pretrain_gpt.py",
+               *[a if a != "18" else "40" for a in MODEL], *QUICK, "--inject-slowdown", "1:4",
+               "--metrics-port", "0", "--trace", "--trace-dir", str(trace), "--trace-interval", "5",
+               "--continuous-trace-iterations", "5"]
+    log = open(tmp_path / "torchrun.log", "w")
+    job = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
+    pages: dict[int, dict] = {}
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and job.poll() is None and len(pages) < 4:
+            targets = read_targets(trace) if len(list(trace.glob("metrics-targets-rank*.json"))) == 4 else {}
+            for rank, target in targets.items():
+                try:
+                    page = scrape(f"http://{target}/metrics")
+                except OSError:
+                    continue
+                if page.get(("megascan_mitigation_changes_total", (("rank", str(rank)),)), 0) >= 1:
+                    pages[rank] = page
+            time.sleep(0.2)
+        job.wait(timeout=300)
+    finally:
+        if job.poll() is None:
+            kill_tree(job.pid)
+            job.wait()
+        log.close()
+    text = (tmp_path / "torchrun.log").read_text()
+    assert job.returncode == 0, text[-3000:]
+    assert len(pages) == 4, (sorted(pages), text[-3000:])
+
+    def gauge(rank, name):
+        return pages[rank][(name, (("rank", str(rank)),))]
+
+    shares = [gauge(rank, "megascan_mitigation_microbatches") for rank in range(4)]
+    # (each rank's page is from the moment it first showed a change: they may be from different plans)
+    assert shares[1] < 8 and shares[1] < min(shares[0], shares[2], shares[3]), shares
+    assert gauge(1, "megascan_mitigation_replica_speed") < 0.8 <= gauge(0, "megascan_mitigation_replica_speed")
+    assert gauge(0, "megascan_mitigation_predicted_saving_seconds") > 0
+
+    merged = tmp_path / "merged.json"
+    agg = python(["scripts/aggregate.py", "-b", str(trace), "-o", str(merged), "--quiet"])
+    assert agg.returncode == 0, agg.stderr[-3000:]
+    events = json.loads(merged.read_text())["traceEvents"]
+    counters = [e for e in events if e.get("ph") == "C" and e["name"] == "microbatches"]
+    by_rank: dict[int, set] = {}
+    for event in counters:
+        by_rank.setdefault(event["pid"], set()).add(event["args"]["microbatches"])
+    assert set(by_rank) == {0, 1, 2, 3}
+    assert 8 in by_rank[1] and min(by_rank[1]) < 8 < max(by_rank[0]), by_rank  # even, then fewer on the slow one
+    marks = {e["pid"] for e in events if e["name"] == "mitigation"}
+    assert marks == {0, 1, 2, 3}, marks
