@@ -17,6 +17,8 @@ from megatron.app.config import (
     ParallelConfig,
     RunConfig,
     TrainingConfig,
+    format_layer_split,
+    parse_layer_split,
 )
 
 
@@ -169,6 +171,17 @@ def build_parser(plugins: Sequence = ()) -> argparse.ArgumentParser:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
                    help="layers per model chunk for the interleaved schedule: each stage holds several chunks "
                         "(default: one chunk per stage)")
+    g.add_argument("--pipeline-layer-split", type=parse_layer_split, metavar="N,N,...",
+                   help="transformer layers on each pipeline stage, comma separated, stage 0 first: one entry per "
+                        "stage, each >= 1, summing to --num-layers (e.g. 3,5 for 8 layers on 2 stages); with "
+                        "virtual stages each stage's layers are split evenly over its chunks. A checkpoint saved "
+                        "with another split is converted while loading (default: num_layers / pp on every stage)")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int,
+                   help="Megatron-LM's uneven split: layers on the first pipeline stage, the rest spread evenly "
+                        "over the other stages (same as the matching --pipeline-layer-split)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int,
+                   help="Megatron-LM's uneven split: layers on the last pipeline stage, the rest spread evenly "
+                        "over the other stages (same as the matching --pipeline-layer-split)")
     g.add_argument("--pipeline-schedule", choices=["auto", "1f1b", "interleaved", "gpipe", "megatron-core"],
                    help="pipeline order run by this trainer's executor; auto = interleaved with virtual stages, "
                         "else 1f1b. megatron-core: megatron-core's own get_forward_backward_func() (no "
@@ -230,7 +243,8 @@ def build_parser(plugins: Sequence = ()) -> argparse.ArgumentParser:
 
 # Config fields that no flag of the same name sets: the value comes from other flags (or the run).
 _DERIVED: dict[type, tuple[str, ...]] = {
-    ParallelConfig: ("world_size",),
+    # pipeline_layer_split: from --pipeline-layer-split or Megatron-LM's --decoder-first/last-pipeline-num-layers
+    ParallelConfig: ("world_size", "pipeline_layer_split"),
     ModelConfig: ("max_position_embeddings", "vocab_size", "num_query_groups", "add_bias_linear",
                   "recompute_granularity"),
     OptimizerConfig: ("lr_warmup_iters", "lr_decay_iters"),
@@ -283,7 +297,7 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
         recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
     )
     return RunConfig(
-        parallel=_section(ParallelConfig, args, world_size=world_size),
+        parallel=_section(ParallelConfig, args, world_size=world_size, pipeline_layer_split=_layer_split(args)),
         model=model,
         optimizer=_section(OptimizerConfig, args, lr_warmup_iters=warmup_iters, lr_decay_iters=decay_iters),
         training=training,
@@ -297,6 +311,41 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
                       create_attention_mask=args.reset_attention_mask),  # the mask is what gets reset
         args=args,
     )
+
+
+def _layer_split(args: argparse.Namespace) -> list[int] | None:
+    """The pipeline layer split: --pipeline-layer-split as given, or Megatron-LM's first / last stage
+    counts with the remaining layers spread evenly over the other stages (None: the even split)."""
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        return args.pipeline_layer_split
+    named = " and ".join(flag for flag, value in (("--decoder-first-pipeline-num-layers", first),
+                                                   ("--decoder-last-pipeline-num-layers", last)) if value is not None)
+    if args.pipeline_layer_split is not None:
+        raise ConfigError(f"--pipeline-layer-split and {named} both set the layers per stage; pass one")
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    ends = [n for n in (first, last) if n is not None]
+    if pp < max(2, len(ends)):
+        raise ConfigError(f"{named} {'need' if len(ends) > 1 else 'needs'} --pipeline-model-parallel-size >= "
+                          f"{max(2, len(ends))}, got {pp}")
+    if any(n < 1 for n in ends):
+        raise ConfigError(f"{named}: every stage needs at least 1 layer")
+    others = pp - len(ends)
+    rest = layers - sum(ends)
+    if others == 0:
+        split = [first, last]
+    else:
+        if rest < others or rest % others != 0:
+            raise ConfigError(
+                f"{named}: the remaining {rest} of the {layers} layers (--num-layers) do not spread evenly over "
+                f"the other {others} pipeline stage(s); change the counts, or give every stage's layers with "
+                f"--pipeline-layer-split")
+        split = [first] if first is not None else []
+        split += [rest // others] * others + ([last] if last is not None else [])
+    if sum(split) != layers:
+        raise ConfigError(f"{named} give a split {format_layer_split(split)} that sums to {sum(split)}, but "
+                          f"--num-layers is {layers}; change the counts")
+    return split
 
 
 def _iteration_counts(args: argparse.Namespace) -> tuple[int, int, int | None]:

@@ -17,6 +17,9 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
+    # Transformer layers per pipeline stage, one entry per stage (--pipeline-layer-split 3,5);
+    # None: num_layers / pp on every stage.
+    pipeline_layer_split: list[int] | None = None
     world_size: int = 1
 
     @property
@@ -24,11 +27,102 @@ class ParallelConfig:
         return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
 
     def virtual_chunks(self, num_layers: int) -> int:
-        """Model chunks per pipeline rank (1 without a virtual pipeline)."""
+        """Model chunks per pipeline rank (1 without a virtual pipeline): num_layers / (pp x
+        --num-layers-per-virtual-pipeline-stage), the same on every stage whatever the split."""
         if not self.num_layers_per_virtual_pipeline_stage:
             return 1
         per_stage = num_layers // self.pipeline_model_parallel_size
         return per_stage // self.num_layers_per_virtual_pipeline_stage
+
+    def layers_per_stage(self, num_layers: int) -> list[int]:
+        """Transformer layers held by each pipeline stage, stage 0 first (the split, or the even one)."""
+        if self.pipeline_layer_split is not None:
+            return [int(n) for n in self.pipeline_layer_split]
+        pp = self.pipeline_model_parallel_size
+        return [num_layers // pp] * pp
+
+    def layers_per_chunk(self, num_layers: int) -> list[list[int]]:
+        """[stage][local chunk] -> layers in that model chunk: each stage's layers split evenly
+        over its virtual chunks (config.validate checks that they divide)."""
+        return chunk_layers(self.layers_per_stage(num_layers), self.virtual_chunks(num_layers))
+
+    def first_layer(self, num_layers: int, stage: int, chunk: int = 0) -> int:
+        """Global index (0-based) of the first layer of a stage's local model chunk."""
+        return first_layer_of(self.layers_per_chunk(num_layers), stage, chunk)
+
+
+def chunk_layers(split, num_chunks: int) -> list[list[int]]:
+    """Layers per stage (`split`) -> [stage][local chunk] layers, each stage's split evenly."""
+    num_chunks = max(1, num_chunks)
+    return [[int(n) // num_chunks] * num_chunks for n in split]
+
+
+def first_layer_of(sizes: list[list[int]], stage: int, chunk: int = 0) -> int:
+    """Global index of the first layer of (stage, chunk) given [stage][chunk] layer counts: the
+    model runs virtual stage chunk x pp + stage after virtual stage chunk x pp + stage - 1."""
+    pp = len(sizes)
+    return sum(sizes[s][c] for c in range(chunk + 1) for s in range(pp if c < chunk else stage))
+
+
+def locate_layer(sizes: list[list[int]], layer: int) -> tuple[int, int, int]:
+    """(stage, local chunk, index in the chunk) of global layer `layer` given [stage][chunk] counts."""
+    start = 0
+    for chunk in range(len(sizes[0])):
+        for stage, per_chunk in enumerate(sizes):
+            if layer < start + per_chunk[chunk]:
+                return stage, chunk, layer - start
+            start += per_chunk[chunk]
+    raise ValueError(f"layer {layer} is outside the model's {start} layers")
+
+
+def parse_layer_split(text: str) -> list[int]:
+    """`--pipeline-layer-split 3,5` -> [3, 5] (argparse type: a malformed value is a usage error)."""
+    parts = [part.strip() for part in str(text).split(",")]
+    if not parts or any(not part.lstrip("-").isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of layer counts, one per pipeline stage (e.g. 3,5)")
+    return [int(part) for part in parts]
+
+
+def format_layer_split(split) -> str:
+    return ",".join(str(n) for n in split)
+
+
+def layer_split_problems(parallel: ParallelConfig, num_layers: int) -> list[str]:
+    """What is wrong with the pipeline layer split (empty when it fits the model and the pipeline)."""
+    pp, split = parallel.pipeline_model_parallel_size, parallel.pipeline_layer_split
+    if split is None:
+        if num_layers % pp != 0:
+            return [f"num_layers({num_layers}) is not divisible by pipeline stages pp({pp}); use a multiple of "
+                    f"{pp} for --num-layers, or give each stage's layers with --pipeline-layer-split"]
+        return []
+    shown = format_layer_split(split)
+    problems = []
+    if len(split) != pp:
+        problems.append(f"--pipeline-layer-split {shown} has {len(split)} entries but there are pp({pp}) pipeline "
+                        f"stages; give one layer count per stage")
+    if sum(split) != num_layers:
+        problems.append(f"--pipeline-layer-split {shown} sums to {sum(split)}, but the sum must be "
+                        f"--num-layers ({num_layers})")
+    if any(n < 1 for n in split):
+        problems.append(f"--pipeline-layer-split {shown}: every stage needs at least 1 layer")
+    vpp_layers = parallel.num_layers_per_virtual_pipeline_stage
+    if not problems and vpp_layers and vpp_layers >= 1 and pp > 1:
+        if num_layers % (pp * vpp_layers) != 0:
+            problems.append(
+                f"--pipeline-layer-split with --num-layers-per-virtual-pipeline-stage {vpp_layers}: every stage "
+                f"holds num_layers({num_layers}) / (pp({pp}) x {vpp_layers}) model chunks, which must be a whole "
+                f"number; change --num-layers-per-virtual-pipeline-stage")
+        else:
+            chunks = parallel.virtual_chunks(num_layers)
+            uneven = [f"stage {s}: {n}" for s, n in enumerate(split) if n % chunks != 0]
+            if uneven:
+                problems.append(
+                    f"--pipeline-layer-split {shown} with {chunks} virtual chunks per stage (num_layers({num_layers}) "
+                    f"/ (pp({pp}) x --num-layers-per-virtual-pipeline-stage {vpp_layers})): each stage's layers "
+                    f"are split evenly over its chunks, so every entry must be a multiple of {chunks} "
+                    f"({', '.join(uneven)})")
+    return problems
 
 
 @dataclass(kw_only=True, slots=True)
@@ -217,21 +311,20 @@ def validate(cfg: RunConfig) -> None:
             f"world size must be a multiple of tp x pp = {tp * pp}; change the parallel sizes or --nproc-per-node"
         )
     dp = max(1, p.data_parallel_size)
-    if m.num_layers % pp != 0:
-        problems.append(
-            f"num_layers({m.num_layers}) is not divisible by pipeline stages pp({pp}); "
-            f"use a multiple of {pp} for --num-layers"
-        )
+    problems.extend(layer_split_problems(p, m.num_layers))
     vpp_layers = p.num_layers_per_virtual_pipeline_stage
     if vpp_layers is not None:
-        per_stage = m.num_layers // pp if m.num_layers % pp == 0 else None
         if pp == 1:
             problems.append("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-        elif per_stage is not None and (vpp_layers < 1 or per_stage % vpp_layers != 0):
+        elif p.pipeline_layer_split is None and m.num_layers % pp == 0 and (
+                vpp_layers < 1 or (m.num_layers // pp) % vpp_layers != 0):
+            per_stage = m.num_layers // pp
             problems.append(
                 f"layers per stage num_layers({m.num_layers}) / pp({pp}) = {per_stage} is not divisible by "
                 f"--num-layers-per-virtual-pipeline-stage({vpp_layers})"
             )
+        elif vpp_layers < 1:
+            problems.append(f"--num-layers-per-virtual-pipeline-stage must be >= 1, got {vpp_layers}")
     if t.global_batch_size % (t.micro_batch_size * dp) != 0:
         problems.append(
             f"global_batch_size({t.global_batch_size}) is not divisible by "

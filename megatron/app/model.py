@@ -6,6 +6,7 @@ the same --seed gives the same model for any TP x PP x virtual-pipeline layout.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 import zlib
@@ -18,7 +19,10 @@ from megatron.app.config import ModelConfig, ParallelConfig
 _LOCAL_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 
 
-def transformer_config(model: ModelConfig, parallel: ParallelConfig, num_chunks: int):
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, num_chunks: int, stage: int | None = None):
+    """megatron-core's TransformerConfig of the run. With --pipeline-layer-split the layers per
+    stage go to megatron-core as a `pipeline_model_parallel_layout`; `stage`: the pipeline stage
+    whose chunks are built with it when that is not this process's own (see `pipeline_layout`)."""
     from megatron.core.transformer import TransformerConfig
 
     import torch.nn.functional as F
@@ -26,6 +30,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, num_chunks:
     dtype = model.params_dtype
     return TransformerConfig(
         num_layers=model.num_layers,
+        pipeline_model_parallel_layout=pipeline_layout(parallel, model.num_layers, stage),
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -76,7 +81,8 @@ def build_model_chunks(model_cfg: ModelConfig, parallel: ParallelConfig, num_chu
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(model_cfg, parallel, num_chunks)
+    stage = None if pg_collection is None else pg_collection.pp.rank()
+    config = transformer_config(model_cfg, parallel, num_chunks, stage)
     chunks = []
     for vp_stage in range(num_chunks):
         vp = vp_stage if num_chunks > 1 else None
@@ -105,6 +111,50 @@ def build_model_chunks(model_cfg: ModelConfig, parallel: ParallelConfig, num_chu
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
     return chunks
+
+
+def pipeline_layout(parallel: ParallelConfig, num_layers: int, stage: int | None = None):
+    """The layer split as megatron-core's PipelineParallelLayerLayout (None without
+    --pipeline-layer-split, or with one stage: megatron-core then splits evenly by itself).
+
+    megatron-core reads the pipeline rank from its parallel state when it asks the layout for a
+    stage's layer count and offset; a chunk built for another stage (MegaFBD's forward hosts) gets
+    a layout bound to that `stage`."""
+    if parallel.pipeline_layer_split is None or parallel.pipeline_model_parallel_size == 1:
+        return None
+    sizes = parallel.layers_per_chunk(num_layers)  # [stage][chunk]
+    pp, chunks = len(sizes), len(sizes[0])
+    rows = []  # megatron-core's order: virtual stage chunk x pp + stage
+    for chunk in range(chunks):
+        for s in range(pp):
+            row = ["decoder"] * sizes[s][chunk]
+            if chunk == 0 and s == 0:
+                row.insert(0, "embedding")
+            if chunk == chunks - 1 and s == pp - 1:
+                row.append("loss")
+            rows.append(row)
+    return _stage_bound_layout_class()(rows, pp, stage)
+
+
+@functools.cache
+def _stage_bound_layout_class():
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    class StageBoundLayout(PipelineParallelLayerLayout):
+        """A PipelineParallelLayerLayout whose stage defaults to `stage` when one is given."""
+
+        def __init__(self, layout: list, pipeline_model_parallel_size: int, stage: int | None) -> None:
+            super().__init__(layout, pipeline_model_parallel_size)
+            self.stage = stage
+
+        def get_num_layers_to_build(self, layer_type=LayerType.decoder, vp_stage=None, pp_rank=None):
+            return super().get_num_layers_to_build(layer_type, vp_stage, self.stage if pp_rank is None else pp_rank)
+
+        def get_layer_offset(self, layer_type=LayerType.decoder, vp_stage=None, pp_rank=None):
+            return super().get_layer_offset(layer_type, vp_stage, self.stage if pp_rank is None else pp_rank)
+
+    return StageBoundLayout
 
 
 def layer_spec(model_cfg: ModelConfig, config=None, vp_stage: int | None = None):

@@ -19,11 +19,22 @@ def parameter_groups(chunks, cfg) -> list[dict]:
         for name, param in chunk.named_parameters():
             if not param.requires_grad:
                 continue
-            decay = not (param.ndim == 1 or name.endswith(".bias"))
+            decay = applies_weight_decay(name, param.ndim)
             decoupled = cfg.decoupled_lr is not None and getattr(param, "is_embedding_or_output_parameter", False)
             groups.setdefault((decay, decoupled), []).append(param)
     return [{"params": params, "weight_decay": cfg.weight_decay if decay else 0.0, "decoupled": decoupled}
-            for (decay, decoupled), params in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
+            for (decay, decoupled), params in sorted(groups.items(), key=lambda kv: group_order(kv[0]))]
+
+
+def group_order(key: tuple[bool, bool]) -> tuple[bool, bool]:
+    """Sort key of a (decay, decoupled) parameter group: decayed groups first, then not decoupled."""
+    decay, decoupled = key
+    return not decay, decoupled
+
+
+def applies_weight_decay(name: str, ndim: int) -> bool:
+    """Whether AdamW decays a parameter: not biases and norms (one-dimensional)."""
+    return not (ndim == 1 or name.endswith(".bias"))
 
 
 class TorchOptimizer:

@@ -5,7 +5,6 @@ checkpoints. Plugins hook in through megatron.app.plugins; nothing here tests th
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ from megatron.app.config import ConfigError, RunConfig, validate
 from megatron.app.data import DataError
 from megatron.app.device import DeviceBackend, DeviceError, build_backend, enable_deterministic_mode
 from megatron.app.executor import IterationResult, IterationSteps, PipelineExecutor, StageContext, activation_shape
+from megatron.app.learning_rate import set_learning_rate
 from megatron.app.logs import MetricsLogger, print_rank_0
 from megatron.app.mcore_schedule import MegatronCoreSchedule
 from megatron.app.microbatches import MicrobatchPlan
@@ -70,25 +70,6 @@ class TrainContext:
         """First rank (tp 0, dp 0) of the last pipeline stage prints the training log."""
         pp = self.cfg.parallel.pipeline_model_parallel_size
         return self.pp_rank == pp - 1 and self.tp_rank == 0 and self.dp_rank == 0 and not self.secondary
-
-
-def learning_rate(cfg, iteration: int, peak: float | None = None, floor: float | None = None) -> float:
-    """Linear warmup, then constant / linear / cosine decay to min_lr (or to `floor` from `peak`,
-    for the embedding and output layer under --decoupled-lr)."""
-    o = cfg.optimizer
-    peak = o.lr if peak is None else peak
-    floor = o.min_lr if floor is None else floor
-    if o.lr_warmup_iters and iteration < o.lr_warmup_iters:
-        return peak * (iteration + 1) / o.lr_warmup_iters
-    if o.lr_decay_style == "constant":
-        return peak
-    decay_iters = (o.lr_decay_iters or cfg.training.train_iters) - o.lr_warmup_iters
-    progress = min(1.0, max(0.0, (iteration - o.lr_warmup_iters) / max(1, decay_iters)))
-    if o.lr_decay_style == "linear":
-        factor = 1.0 - progress
-    else:
-        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return floor + (peak - floor) * factor
 
 
 def pick_schedule_name(cfg: RunConfig) -> str:
@@ -221,21 +202,6 @@ def planned_schedule(ctx: TrainContext, num_microbatches: int):
     return ctx._schedules[num_microbatches]
 
 
-def set_learning_rate(ctx: TrainContext) -> float:
-    """This iteration's learning rate, set on every optimizer parameter group."""
-    o = ctx.cfg.optimizer
-    lr = learning_rate(ctx.cfg, ctx.iteration)
-    decoupled = None
-    if o.decoupled_lr is not None:
-        decoupled = learning_rate(ctx.cfg, ctx.iteration, o.decoupled_lr,
-                                  o.decoupled_min_lr if o.decoupled_min_lr is not None else o.min_lr)
-    for group in ctx.optimizer.param_groups:
-        # Our CPU optimizer marks the group "decoupled"; megatron-core's, "is_decoupled_lr".
-        group["lr"] = decoupled if decoupled is not None and (group.get("decoupled") or group.get("is_decoupled_lr")) \
-            else lr
-    return lr
-
-
 def reduce_grads(ctx: TrainContext, iteration: int, num_tokens: int = 0) -> None:
     """The REDUCE_GRADS action: data-parallel gradient sync (and the per-token division)."""
     with span("grad_sync", iteration=iteration):
@@ -301,7 +267,8 @@ def train(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
         f"training: {t.train_iters} iterations, global batch {t.global_batch_size}, "
         f"{cfg.num_microbatches} microbatches of {t.micro_batch_size} per dp rank, "
         f"tp={cfg.parallel.tensor_model_parallel_size} pp={cfg.parallel.pipeline_model_parallel_size} "
-        f"dp={cfg.parallel.data_parallel_size} vpp chunks={cfg.num_chunks}, "
+        f"dp={cfg.parallel.data_parallel_size} vpp chunks={cfg.num_chunks}"
+        f"{_split_note(cfg)}, "
         f"schedule {schedule_name(ctx)}, "
         f"device {ctx.backend.name}, plugins {plugins.names or 'none'}"
     )
@@ -332,6 +299,13 @@ def train(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
             break
     logger.close()
     return ctx
+
+
+def _split_note(cfg: RunConfig) -> str:
+    """", layers 3,5 per stage" when the pipeline's layer split is not the even one."""
+    if not cfg.parallel.pipeline_layer_split:
+        return ""
+    return f", layers {','.join(map(str, cfg.parallel.layers_per_stage(cfg.model.num_layers)))} per stage"
 
 
 def _all_ranks_agree_time_is_up(ctx: TrainContext, started: float, minutes: float) -> bool:

@@ -73,7 +73,7 @@ class DppPlugin(Plugin):
         per_activation = activation_bytes(
             seq_length=m.seq_length, micro_batch_size=cfg.training.micro_batch_size, hidden_size=m.hidden_size,
             num_attention_heads=m.num_attention_heads,
-            layers_per_chunk=max(1, m.num_layers // layout.num_virtual_stages),
+            layers_per_chunk=max(1, max(max(sizes) for sizes in p.layers_per_chunk(m.num_layers))),  # the largest
             element_size=2 if m.bf16 else 4, tensor_parallel=p.tensor_model_parallel_size)
         self.config = DppConfig(
             policy=args.dpp_policy,

@@ -17,7 +17,8 @@ from megatron.app.model import unwrap_model
 from megatron.app.observer import span
 from megatron.app.rng import rng_snapshot
 from megatron.app.schedule import PipelineLayout
-from megatron.app.train import learning_rate, optimizer_step, reduce_grads, set_learning_rate
+from megatron.app.learning_rate import learning_rate, set_learning_rate
+from megatron.app.train import optimizer_step, reduce_grads
 from megatron.app.transport import Message, TorchDistributedTransport
 from megatron.fbd.layout import FBDLayout, Instance
 from megatron.fbd.roles import backward_role, forward_role

@@ -9,6 +9,7 @@ takes as long as its slowest replica.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ class Decision:
     predicted_before: float
     predicted_after: float
     times: tuple[float, ...]  # seconds per microbatch of each replica the decision used
+    # An undo of the last change, which made iterations slower: measured seconds before and after it.
+    undone: tuple[float, float] | None = None
 
 
 class Rebalancer:
@@ -64,7 +67,15 @@ class Rebalancer:
     when it is predicted to be faster than the current one by more than `threshold` in `patience`
     consecutive measurements, and after a change the measurements start afresh; the same rule
     brings the even split back when the slow rank recovers.
+
+    Each change is checked against what it achieved: once a window has run under the new plan, its
+    median iteration time is compared with the window's before the change. A change that gained
+    less than half its prediction doubles the hold-off before the next one (up to MAX_HOLD_OFF
+    windows), so a job whose ranks' speeds wander (a shared, oversubscribed host) stops chasing
+    them; one that made iterations slower by more than `threshold` is undone at once.
     """
+
+    MAX_HOLD_OFF = 16  # windows
 
     def __init__(self, data_parallel_size: int, nominal: int, *, bubble: float = 0.0, granularity: int = 1,
                  threshold: float = 0.1, patience: int = 3, window: int = 5) -> None:
@@ -74,15 +85,30 @@ class Rebalancer:
         self.granularity = granularity
         self.threshold = threshold
         self.patience = patience
-        self.history: deque[tuple[float, ...]] = deque(maxlen=max(1, window))
+        self.window = max(1, window)
+        self.history: deque[tuple[float, ...]] = deque(maxlen=self.window)
+        self.iteration_times: deque[float] = deque(maxlen=self.window)
         self.streak = 0
         self.times: tuple[float, ...] = ()
+        self.hold_off = 0  # measurements to wait before the next change may be made
+        self.failures = 0  # changes in a row that did not pay
+        self._check: tuple[tuple[int, ...], float, float] | None = None  # (previous shares, time before, gain)
 
-    def observe(self, replica_times: Sequence[float]) -> Decision | None:
+    def observe(self, replica_times: Sequence[float], iteration_time: float | None = None) -> Decision | None:
+        """One iteration's seconds per microbatch of every replica (and its wall time, to check the
+        last change): a Decision when the plan changes."""
         self.history.append(tuple(float(t) for t in replica_times))
+        if iteration_time is not None:
+            self.iteration_times.append(float(iteration_time))
         self.times = snap(tuple(statistics.median(column) for column in zip(*self.history)), self.threshold)
         if len(self.history) < self.history.maxlen:
             return None  # a full window first (after a change too)
+        undo = self._review()
+        if undo is not None:
+            return undo
+        if self.hold_off > 0:
+            self.hold_off -= 1
+            return None
         candidate = plan_shares(self.total, self.times, bubble=self.bubble, granularity=self.granularity)
         now = plan_cost(self.shares, self.times, self.bubble)
         then = plan_cost(candidate, self.times, self.bubble)
@@ -92,12 +118,39 @@ class Rebalancer:
         self.streak += 1
         if self.streak < self.patience:
             return None
+        return self._change(candidate, now, then)
+
+    def _change(self, shares: tuple[int, ...], now: float, then: float) -> Decision:
+        before = statistics.median(self.iteration_times) if self.iteration_times else None
+        if before is not None:
+            self._check = (self.shares, before, 1.0 - then / now if now > 0 else 0.0)
+        decision = Decision(shares=shares, previous=self.shares, predicted_before=now, predicted_after=then,
+                            times=self.times)
         self.streak = 0
         self.history.clear()  # the next decision measures the new plan afresh
-        decision = Decision(shares=candidate, previous=self.shares, predicted_before=now, predicted_after=then,
-                            times=self.times)
-        self.shares = candidate
+        self.iteration_times.clear()
+        self.shares = shares
         return decision
+
+    def _review(self) -> Decision | None:
+        """A window after a change: did it pay? (None, or the Decision that undoes it.)"""
+        if self._check is None or len(self.iteration_times) < self.window:
+            return None
+        previous, before, predicted_gain = self._check
+        self._check = None
+        gain = 1.0 - statistics.median(self.iteration_times) / before
+        if gain >= predicted_gain / 2:
+            self.failures = 0
+            return None
+        self.failures += 1
+        self.hold_off = self.window * min(2 ** self.failures, self.MAX_HOLD_OFF)
+        if gain < -self.threshold:
+            after = statistics.median(self.iteration_times)
+            now = plan_cost(self.shares, self.times, self.bubble)
+            undo = self._change(previous, now, plan_cost(previous, self.times, self.bubble))
+            self._check = None  # an undo is not judged again
+            return dataclasses.replace(undo, undone=(before, after))
+        return None
 
     def predicted(self, shares: Sequence[int] | None = None) -> float:
         """Predicted seconds of `shares` (default: the current plan) at the latest measured times."""
@@ -111,16 +164,17 @@ def snap(times: Sequence[float], tolerance: float) -> tuple[float, ...]:
     return tuple(middle if abs(t - middle) <= tolerance * middle else t for t in times)
 
 
-def split_layers(num_layers: int, seconds_per_layer: Sequence[float]) -> tuple[int, ...]:
-    """Layers per pipeline stage (each >= 1, adding up to `num_layers`) that minimise the slowest
-    stage's time, given each stage's measured seconds per layer."""
+def split_layers(num_layers: int, seconds_per_layer: Sequence[float], unit: int = 1) -> tuple[int, ...]:
+    """Layers per pipeline stage (each a multiple of `unit` and at least one unit, adding up to
+    `num_layers`) that minimise the slowest stage's time, given each stage's measured seconds per
+    layer (`unit`: the virtual chunks per stage, which split a stage's layers evenly)."""
     stages = len(seconds_per_layer)
-    if num_layers < stages:
-        raise ValueError(f"{num_layers} layers cannot give {stages} stages one each")
-    counts = [1] * stages
-    for _ in range(num_layers - stages):
-        best = min(range(stages), key=lambda p: ((counts[p] + 1) * seconds_per_layer[p], p))
-        counts[best] += 1
+    if num_layers % unit or num_layers < stages * unit:
+        raise ValueError(f"{num_layers} layers cannot give {stages} stages whole multiples of {unit}")
+    counts = [unit] * stages
+    for _ in range(num_layers // unit - stages):
+        best = min(range(stages), key=lambda p: ((counts[p] + unit) * seconds_per_layer[p], p))
+        counts[best] += unit
     return tuple(counts)
 
 

@@ -35,7 +35,7 @@ from megatron.app.logs import print_rank_0
 from megatron.app.microbatches import MicrobatchPlan
 from megatron.app.observer import get_observer, remove_observer, set_observer
 from megatron.app.plugins import Plugin, register_plugin
-from megatron.mitigation.balance import Decision, Rebalancer, plan_cost, plan_shares, split_layers, stage_cost
+from megatron.mitigation.balance import Decision, Rebalancer, plan_shares, split_layers, stage_cost
 
 RECOMMENDATION_FILE = "mitigation.json"
 WARMUP_ITERATIONS = 2  # measured but not used: the first iterations of a run are slow on every rank
@@ -242,7 +242,7 @@ class MitigationPlugin(Plugin):
         self.rank_history.append([row[2] for row in rows])
         per_rank = [statistics.median(column) for column in zip(*self.rank_history)]
         replica_times = [max(row[2] for row in rows if int(row[0]) == d) for d in range(self.dp)]
-        decision = self.rebalancer.observe(replica_times)
+        decision = self.rebalancer.observe(replica_times, rows[0][3])
         self._account(iteration, rows[0][3])
         if decision is not None:
             self._apply(ctx, iteration, decision, per_rank)
@@ -295,9 +295,16 @@ class MitigationPlugin(Plugin):
         who = "; ".join(f"rank {rank} at {speed:.2f}x" for speed, rank in slow[:4]) or \
               f"every rank within {self.config.threshold:.0%} of the median"
         back = " back to even" if decision.shares == self._even else ""
-        print_rank_0(f"[mitigation] iteration {iteration + 2}: DP shares{back} {_csv(decision.shares)} microbatches; "
-                     f"{who} (predicted {decision.predicted_before:.3f} -> {decision.predicted_after:.3f} s of "
-                     "compute per iteration)")
+        if decision.undone is not None:
+            before, after = decision.undone
+            print_rank_0(f"[mitigation] iteration {iteration + 2}: DP shares{back} {_csv(decision.shares)} "
+                         f"microbatches; undoing the last change, which made iterations slower ({before:.3f} -> "
+                         f"{after:.3f} s); next change no sooner than {self.rebalancer.hold_off} iterations "
+                         f"(predicted {decision.predicted_before:.3f} -> {decision.predicted_after:.3f} s)")
+        else:
+            print_rank_0(f"[mitigation] iteration {iteration + 2}: DP shares{back} {_csv(decision.shares)} "
+                         f"microbatches; {who} (predicted {decision.predicted_before:.3f} -> "
+                         f"{decision.predicted_after:.3f} s of compute per iteration)")
         if self.gauges is not None:
             self.gauges["share"].set(decision.shares[ctx.dp_rank])
             self.gauges["changes"].inc()
@@ -320,7 +327,7 @@ class MitigationPlugin(Plugin):
             return  # the rebalancer will act on it
         times = [statistics.median(column) for column in zip(*self.stage_history)]
         per_layer = [t / n for t, n in zip(times, split)]
-        recommended = split_layers(sum(split), per_layer)
+        recommended = split_layers(sum(split), per_layer, unit=ctx.cfg.num_chunks)
         now, then = stage_cost(split, per_layer), stage_cost(recommended, per_layer)
         if recommended == tuple(split) or then >= now * (1 - self.config.threshold):
             return
@@ -364,11 +371,7 @@ class MitigationPlugin(Plugin):
 
 
 def _current_split(cfg) -> tuple[int, ...]:
-    split = getattr(cfg.parallel, "pipeline_layer_split", None)
-    if split:
-        return tuple(split)
-    pp, layers = cfg.parallel.pipeline_model_parallel_size, cfg.model.num_layers
-    return tuple(layers // pp + (1 if stage < layers % pp else 0) for stage in range(pp))
+    return tuple(cfg.parallel.layers_per_stage(cfg.model.num_layers))
 
 
 def _csv(values) -> str:

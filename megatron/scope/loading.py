@@ -128,7 +128,8 @@ def merged_checkpoint_state(root: str, iteration: int, saved_tp: int, saved_pp: 
         if getattr(param, "tensor_model_parallel", False):
             glob = global_parameter_name(reference, name)
             split_dims[re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.*.", glob)] = param.partition_dim
-    per_stage = num_layers // saved_pp
+    # First layer of each saved stage: the split the checkpoint records, else the even one.
+    offsets = [pp_rank * (num_layers // saved_pp) for pp_rank in range(saved_pp)]
     tied = bool(getattr(reference, "share_embeddings_and_output_weights", False))
     shards: dict[str, list[torch.Tensor]] = {}
     for pp_rank in range(saved_pp):
@@ -136,14 +137,18 @@ def merged_checkpoint_state(root: str, iteration: int, saved_tp: int, saved_pp: 
             path = ckpt.rank_file(ckpt.iteration_dir(root, iteration), tp_rank, pp_rank)
             if not path.is_file():
                 raise ModelLoadError(f"{path} is missing: the checkpoint in {root} is incomplete")
-            state = torch.load(path, map_location="cpu", weights_only=False)["model"][0]
+            payload = torch.load(path, map_location="cpu", weights_only=False)
+            state = payload["model"][0]
+            split = payload.get("layout", {}).get("pipeline_layer_split")
+            if split:
+                offsets = [sum(split[:stage]) for stage in range(saved_pp)]
             for local, value in state.items():
                 if local.endswith("_extra_state") or not isinstance(value, torch.Tensor):
                     continue
                 if local == "output_layer.weight" and tied:
                     continue  # the last stage's copy of the tied word embedding
                 name = re.sub(r"^decoder\.layers\.(\d+)\.",
-                              lambda m: f"decoder.layers.{int(m.group(1)) + pp_rank * per_stage}.", local)
+                              lambda m: f"decoder.layers.{int(m.group(1)) + offsets[pp_rank]}.", local)
                 shards.setdefault(name, []).append(value)
     full = {}
     for name, parts in shards.items():

@@ -84,6 +84,7 @@ def test_layer_split_moves_layers_off_the_slow_stage():
     assert split_layers(8, [1.0, 2.0]) in {(5, 3), (6, 2)}
     assert stage_cost(split_layers(8, [1.0, 2.0]), [1.0, 2.0]) == 6.0
     assert split_layers(4, [1.0, 100.0, 1.0, 1.0]) == (1, 1, 1, 1)  # every stage keeps a layer
+    assert split_layers(8, [1.0, 3.0], unit=2) == (6, 2)  # two virtual chunks per stage: even counts
 
 
 def test_plan_covers_the_global_batch_exactly_once():
@@ -99,3 +100,25 @@ def test_plan_covers_the_global_batch_exactly_once():
         MicrobatchPlan(shares=(5, 5, 4, 1), nominal=4)
     with pytest.raises(ValueError, match="at least one"):
         MicrobatchPlan(shares=(8, 8, 0, 0), nominal=4)
+
+
+def test_a_change_that_does_not_pay_holds_off_and_one_that_hurts_is_undone():
+    slow = [1.0, 1.0, 1.0, 2.0]
+    # Predicted to help, but iterations take as long as before: the next change waits longer.
+    r = Rebalancer(4, 16, threshold=0.1, patience=1, window=2)
+    decisions = [r.observe(slow, iteration_time=1.0) for _ in range(2)]
+    assert decisions[-1] is not None and r.shares[3] < 16
+    assert [r.observe(slow, iteration_time=1.0) for _ in range(2)] == [None, None]
+    assert r.failures == 1 and r.hold_off == 3  # 2 windows, one measurement of which has passed
+    # Predicted to help, but iterations got 30% slower: undone at once, back to the previous plan.
+    r = Rebalancer(4, 16, threshold=0.1, patience=1, window=2)
+    [r.observe(slow, iteration_time=1.0) for _ in range(2)]
+    r.observe(slow, iteration_time=1.3)
+    undo = r.observe(slow, iteration_time=1.3)
+    assert undo is not None and undo.shares == (16,) * 4 and undo.undone == (1.0, 1.3)
+    assert r.hold_off == 4
+    # A change that delivers resets the count.
+    r = Rebalancer(4, 16, threshold=0.1, patience=1, window=2)
+    [r.observe(slow, iteration_time=1.0) for _ in range(2)]
+    assert [r.observe(slow, iteration_time=0.6) for _ in range(2)] == [None, None]
+    assert r.failures == 0 and r.hold_off == 0

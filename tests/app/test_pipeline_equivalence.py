@@ -58,6 +58,8 @@ CASES = [
     (4, ["--pp", "2", "--untie"]),                        # PP + DP=2, untied output layer
     (4, ["--pp", "2", "--per-token"]),                    # --calculate-per-token-loss over PP + DP=2
     (4, ["--tp", "2", "--pp", "2", "--swiglu"]),          # Llama-style (SwiGLU, RMSNorm, RoPE, GQA, 1p norms)
+    (2, ["--pp", "2", "--split", "1,3"]),                 # --pipeline-layer-split: uneven stages
+    (2, ["--pp", "2", "--vpp-layers", "2", "--layers", "8", "--split", "2,6"]),  # uneven stages, 2 chunks each
 ]
 
 
@@ -98,6 +100,7 @@ MCORE_CASES = [
     (4, ["--pp", "4"]),                                   # 1F1B, 4 stages
     (2, ["--pp", "2", "--vpp-layers", "1"]),              # interleaved, 2 chunks per rank (unbatched P2P)
     (4, ["--tp", "2", "--pp", "2"]),                      # TP + PP
+    (2, ["--pp", "2", "--split", "3,1"]),                 # uneven stages
 ]
 
 

@@ -90,31 +90,37 @@ def _cgroup_writable() -> bool:
 
 
 @pytest.mark.skipif(not _cgroup_writable(), reason="needs a writable cgroup cpu hierarchy (root)")
-def test_a_rank_throttled_from_outside_gets_fewer_microbatches():
+def test_a_rank_throttled_from_outside_gets_fewer_microbatches_until_it_recovers():
     from megatron.scan.fault import cgroups
 
+    # Two ranks on this two-core machine, so that each has a core of its own and only the quota
+    # makes one slow (with more ranks than cores the host's scheduler does that too, now and then).
     port = free_port()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                "127.0.0.1", "--master-port", str(port), "pretrain_gpt.py",
-               *[a if a != "18" else "30" for a in MODEL], "--global-batch-size", "64", "--straggler-mitigation"]
+               *[a if a != "18" else "200" for a in MODEL], "--straggler-mitigation", "--mitigation-window", "5"]
     job = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    fault = subprocess.Popen([sys.executable, "-m", "megatron.scan", "fault", "throttle", "--rank", "2",
-                              "--cpu-fraction", "0.15", "--job", f":{port}", "--wait", "120"],
+    # The quota comes 10 s after the rank starts (training has begun by then), holds 15 s, then goes.
+    fault = subprocess.Popen([sys.executable, "-m", "megatron.scan", "fault", "throttle", "--rank", "1",
+                              "--cpu-fraction", "0.3", "--job", f":{port}", "--wait", "120", "--after", "10",
+                              "--for", "15"],
                              cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        out, _ = job.communicate(timeout=400)
+        out, _ = job.communicate(timeout=500)
         fault_out, _ = fault.communicate(timeout=60)
     finally:
         for proc in (job, fault):
             if proc.poll() is None:
                 proc.kill()
     assert job.returncode == 0, out[-3000:]
-    assert "throttled rank 2" in fault_out, fault_out
+    assert "throttled rank 1" in fault_out and "released rank 1" in fault_out, fault_out
     moved = changes(out)
     assert moved, out[-3000:]
     _, shares = moved[0]
-    assert shares[2] < 16 and sum(shares) == 64, shares
-    assert "rank 2 at" in out
+    assert shares[1] < 16 < shares[0] and sum(shares) == 32, (shares, out[-3000:])
+    assert "rank 1 at" in out
+    # Once the quota is gone, the even split comes back.
+    assert " back to even 16,16 microbatches" in out, out[-4000:]
     assert cgroups.leftover_groups() == []
 
 
@@ -177,3 +183,28 @@ def test_changes_show_in_prometheus_and_in_the_merged_trace(tmp_path):
     assert 8 in by_rank[1] and min(by_rank[1]) < 8 < max(by_rank[0]), by_rank  # even, then fewer on the slow one
     marks = {e["pid"] for e in events if e["name"] == "mitigation"}
     assert marks == {0, 1, 2, 3}, marks
+
+
+def test_a_slow_stage_gets_a_layer_split_applied_at_restart(tmp_path):
+    import json
+
+    save = tmp_path / "ckpt"
+    base = [*[a if a != "18" else "16" for a in MODEL], "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+            "--global-batch-size", "8"]
+    plain = torchrun("pretrain_gpt.py", base, 2)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    # DP=1: nothing to rebalance, so the slow stage 1 (3x per layer) gets a layer split instead.
+    first = torchrun("pretrain_gpt.py", [*base, *QUICK, "--inject-slowdown", "1:3", "--save", str(save),
+                                         "--save-interval", "10", "--exit-interval", "10"], 2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "recommended --pipeline-layer-split 3,1 instead of 2,2" in first.stdout, first.stdout[-3000:]
+    assert json.loads((save / "mitigation.json").read_text())["pipeline_layer_split"] == [3, 1]
+    resumed = torchrun("pretrain_gpt.py", [*base, "--straggler-mitigation", "--load", str(save)], 2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "[mitigation] applying --pipeline-layer-split 3,1" in resumed.stdout, resumed.stdout[-3000:]
+    assert "converted checkpoint from layer split 2,2 to 3,1" in resumed.stdout
+    assert "layers 3,1 per stage" in resumed.stdout
+    a, b = curve(plain.stdout), curve(resumed.stdout)
+    assert sorted(b) == list(range(11, 17))
+    for it in b:
+        assert b[it][0] == pytest.approx(a[it][0], rel=1e-5), (it, a[it], b[it])

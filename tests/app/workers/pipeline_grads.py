@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron.app.config import ModelConfig, ParallelConfig
+from megatron.app.config import ModelConfig, ParallelConfig, parse_layer_split
 from megatron.app.device import build_backend
 from megatron.app.executor import PipelineExecutor, StageContext
 from megatron.app.model import build_model_chunks, global_parameter_name
@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp-layers", type=int, default=None)
+    parser.add_argument("--split", type=parse_layer_split, default=None, help="--pipeline-layer-split")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--untie", action="store_true")
@@ -49,7 +50,8 @@ def main() -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                              num_layers_per_virtual_pipeline_stage=args.vpp_layers, world_size=world)
+                              num_layers_per_virtual_pipeline_stage=args.vpp_layers, pipeline_layer_split=args.split,
+                              world_size=world)
     model = ModelConfig(num_layers=args.layers, hidden_size=64, num_attention_heads=4, seq_length=16,
                         max_position_embeddings=16, vocab_size=100,
                         untie_embeddings_and_output_weights=args.untie, calculate_per_token_loss=args.per_token,
