@@ -1,6 +1,6 @@
 """Straggler mitigation under a rank throttled from outside the job, in one benchmark run.
 
-For each layout (4 CPU ranks over gloo), the same training job runs
+For each layout (4 CPU ranks over gloo, or 2 for dp2), the same training job runs
   healthy               no fault, no mitigation
   healthy + mitigation  no fault, --straggler-mitigation (its overhead)
   throttled             one rank limited to a fraction of a core by `python -m megatron.scan fault
@@ -30,15 +30,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 LAYOUTS = {
-    "dp4": ([], 3),  # (layout flags, the rank to throttle)
-    "pp2-dp2": (["--pipeline-model-parallel-size", "2"], 3),
-    "tp2-dp2": (["--tensor-model-parallel-size", "2"], 3),
+    # name: (ranks, layout flags, the rank to throttle)
+    "dp4": (4, [], 3),
+    "pp2-dp2": (4, ["--pipeline-model-parallel-size", "2"], 3),
+    "tp2-dp2": (4, ["--tensor-model-parallel-size", "2"], 3),
+    # one rank per core: no oversubscription, so healthy ranks run at the same speed
+    "dp2": (2, [], 1),
 }
 CONFIGS = ("healthy", "healthy + mitigation", "throttled", "throttled + mitigation")
 ITER_MS = re.compile(r" iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 WHAT_IF = re.compile(r"what-if: ([0-9.]+) s even split -> ([0-9.]+) s rebalanced")
 CHANGE = re.compile(r"\[mitigation\] iteration (\d+): DP shares( back to even)? ([0-9,]+) microbatches; (.*?) \(")
 QUOTA = re.compile(r"quota stopped it in (\d+) of (\d+) periods")
+OWN_COST = re.compile(r"own cost ([0-9.]+) ms per iteration \(([0-9.]+)% of iteration time\)")
 
 
 def free_port() -> int:
@@ -56,9 +60,9 @@ def model_args(args) -> list[str]:
 
 
 def run_once(layout: str, config: str, args) -> dict:
-    flags, slow_rank = LAYOUTS[layout]
+    nproc, flags, slow_rank = LAYOUTS[layout]
     port = free_port()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
                "--master-port", str(port), "pretrain_gpt.py", *model_args(args), *flags]
     if "mitigation" in config:
         command.append("--straggler-mitigation")
@@ -84,10 +88,12 @@ def run_once(layout: str, config: str, args) -> dict:
     times = [float(ms) for it, ms in ITER_MS.findall(out) if int(it) > args.skip]
     what_if = WHAT_IF.search(out)
     quota = QUOTA.search(fault_out)
+    own = OWN_COST.search(out)
     return {"median_ms": statistics.median(times), "mean_ms": statistics.mean(times),
             "what_if": (float(what_if.group(1)), float(what_if.group(2))) if what_if else None,
             "changes": [(int(m.group(1)), m.group(3), m.group(4)) for m in CHANGE.finditer(out)],
-            "throttled_periods": (int(quota.group(1)), int(quota.group(2))) if quota else None}
+            "throttled_periods": (int(quota.group(1)), int(quota.group(2))) if quota else None,
+            "own_cost_percent": float(own.group(2)) if own else None}
 
 
 def main() -> int:
@@ -96,7 +102,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1, help="runs of every configuration (cells: median)")
     parser.add_argument("--cpu-fraction", type=float, default=0.25,
                         help="CPU quota of the throttled rank, in cores (default 0.25: about half of its "
-                             "share when 4 ranks share 2 cores)")
+                             "share when 4 ranks share 2 cores; dp2 ranks have a core each, so there it is a "
+                             "quarter)")
     parser.add_argument("--iters", type=int, default=40, help="training iterations per run (default %(default)s)")
     parser.add_argument("--skip", type=int, default=15,
                         help="iterations left out of the timing: start-up and the mitigation's first decision "
@@ -116,7 +123,7 @@ def main() -> int:
     if args.skip >= args.iters:
         parser.error(f"--skip {args.skip} leaves no iteration of --iters {args.iters} to time")
     print(f"{args.num_layers}-layer GPT, hidden {args.hidden_size}, seq {args.seq_length}, global batch "
-          f"{args.global_batch_size} (micro 1), 4 CPU ranks over gloo on {os.cpu_count()} cores; throttle: "
+          f"{args.global_batch_size} (micro 1), CPU ranks over gloo on {os.cpu_count()} cores; throttle: "
           f"{args.cpu_fraction} core by cgroup quota; iterations {args.skip + 1}..{args.iters}; "
           f"{args.repeat} run(s) each", flush=True)
     results: dict[tuple[str, str], list[dict]] = {}
@@ -132,7 +139,7 @@ def main() -> int:
                 results.setdefault((layout, config), []).append(result)
                 print(f"{result['median_ms']:.0f} ms/it ({time.monotonic() - started:.0f} s)", flush=True)
     print()
-    print("| layout | configuration | ms/iteration | vs healthy | what-if predicted | runs (ms) |")
+    print("| layout | configuration | ms/iteration | vs healthy | what-if predicted / own cost | runs (ms) |")
     print("|---|---|---|---|---|---|")
     summary = {}
     for layout in layouts:
@@ -147,6 +154,10 @@ def main() -> int:
                 if ratios:
                     value = throttled * statistics.median(ratios)
                     predicted = f"{value:.0f} ms ({value / healthy:.2f}x)"
+            if config == "healthy + mitigation":
+                own = [r["own_cost_percent"] for r in runs if r["own_cost_percent"] is not None]
+                if own:
+                    predicted = f"own cost {statistics.median(own):.2f}% of iteration time"
             print(f"| {layout} | {config} | {ms:.0f} | {ms / healthy:.3f}x | {predicted} | "
                   f"{', '.join(format(r['median_ms'], '.0f') for r in runs)} |")
             summary[f"{layout} / {config}"] = {"ms": ms, "vs_healthy": ms / healthy, "runs": runs}

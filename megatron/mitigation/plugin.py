@@ -119,6 +119,9 @@ class Ledger:
     straggling_even: list[float] = field(default_factory=list)  # measured s/it: straggler present, even split
     mitigated: list[float] = field(default_factory=list)  # measured s/it under an uneven plan
     recommendation: tuple[int, ...] | None = None
+    own_seconds: float = 0.0  # spent in the exchange and the decisions (on rank 0)
+    iterations: int = 0
+    iteration_seconds: float = 0.0
 
 
 @register_plugin
@@ -233,6 +236,15 @@ class MitigationPlugin(Plugin):
             self.announce = None
 
     def after_iteration(self, ctx, iteration: int, metrics: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        try:
+            self._after_iteration(ctx, iteration, metrics)
+        finally:
+            self.ledger.own_seconds += time.perf_counter() - started
+            self.ledger.iterations += 1
+            self.ledger.iteration_seconds += float(metrics.get("iteration_time") or 0.0)
+
+    def _after_iteration(self, ctx, iteration: int, metrics: dict[str, Any]) -> None:
         seconds = self.clock.take()
         count = metrics.get("microbatches") or self.nominal
         mine = [float(ctx.dp_rank), float(ctx.pp_rank), seconds / max(1, count), float(metrics["iteration_time"])]
@@ -367,6 +379,9 @@ class MitigationPlugin(Plugin):
                              f"{(before - after) * ledger.rebalanced:.2f} s saved")
         if ledger.recommendation:
             parts.append(f"layer split {_csv(ledger.recommendation)} recommended")
+        if ledger.iterations:
+            parts.append(f"own cost {ledger.own_seconds / ledger.iterations * 1e3:.2f} ms per iteration "
+                         f"({ledger.own_seconds / max(1e-9, ledger.iteration_seconds):.2%} of iteration time)")
         print_rank_0("[mitigation] summary: " + "; ".join(parts))
 
 

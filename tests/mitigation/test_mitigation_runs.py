@@ -27,9 +27,11 @@ LAYOUTS = {
     # megatron-core's own interleaved schedule: shares move in groups of pp, the loss is rescaled
     "pp2-dp2-vpp-mcore": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                           "--pipeline-schedule", "megatron-core"],
+    # MegaDPP's dynamic order over shm_tensor_rdma runs whatever count its replica has
+    "pp2-dp2-dpp": ["--pipeline-model-parallel-size", "2", "--use-dpp"],
 }
 # A rank of the second replica (dp rank 1) in every layout.
-SLOW_RANK = {"dp4": 1, "pp2-dp2": 3, "tp2-dp2": 2, "pp2-dp2-vpp-mcore": 3}
+SLOW_RANK = {"dp4": 1, "pp2-dp2": 3, "tp2-dp2": 2, "pp2-dp2-vpp-mcore": 3, "pp2-dp2-dpp": 3}
 
 
 def curve(text: str) -> dict[int, tuple[float, float]]:
