@@ -100,12 +100,15 @@ def test_a_rank_throttled_from_outside_gets_fewer_microbatches_until_it_recovers
     port = free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                "127.0.0.1", "--master-port", str(port), "pretrain_gpt.py",
-               *[a if a != "18" else "200" for a in MODEL], "--straggler-mitigation", "--mitigation-window", "5"]
+               *[a if a != "18" else "400" for a in MODEL], "--straggler-mitigation", "--mitigation-window", "5"]
     job = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    # The quota comes 10 s after the rank starts (training has begun by then), holds 15 s, then goes.
+    # The quota comes 8 s after the rank starts (training has begun by then), holds 8 s, then goes,
+    # leaving a few hundred iterations (under 0.1 s each) in which to notice the recovery, including
+    # any hold-off the mitigation's feedback imposed (a CFS quota lets short bursts through, so a
+    # throttled rank's speed depends on its share, and some changes do not pay).
     fault = subprocess.Popen([sys.executable, "-m", "megatron.scan", "fault", "throttle", "--rank", "1",
-                              "--cpu-fraction", "0.3", "--job", f":{port}", "--wait", "120", "--after", "10",
-                              "--for", "15"],
+                              "--cpu-fraction", "0.3", "--job", f":{port}", "--wait", "120", "--after", "8",
+                              "--for", "8"],
                              cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = job.communicate(timeout=500)
@@ -170,7 +173,7 @@ def test_changes_show_in_prometheus_and_in_the_merged_trace(tmp_path):
     shares = [gauge(rank, "megascan_mitigation_microbatches") for rank in range(4)]
     # (each rank's page is from the moment it first showed a change: they may be from different plans)
     assert shares[1] < 8 and shares[1] < min(shares[0], shares[2], shares[3]), shares
-    assert gauge(1, "megascan_mitigation_replica_speed") < 0.8 <= gauge(0, "megascan_mitigation_replica_speed")
+    assert gauge(1, "megascan_mitigation_replica_speed") < min(0.8, gauge(0, "megascan_mitigation_replica_speed"))
     assert gauge(0, "megascan_mitigation_predicted_saving_seconds") > 0
 
     merged = tmp_path / "merged.json"

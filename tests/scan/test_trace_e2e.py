@@ -170,6 +170,7 @@ CHROME_EVENT_SCHEMA = {
     "M": {"name": str, "pid": int, "tid": int, "args": dict},
     "s": {"name": str, "cat": str, "id": int, "ts": (int, float), "pid": int, "tid": int},
     "f": {"name": str, "cat": str, "id": int, "ts": (int, float), "pid": int, "tid": int, "bp": str},
+    "C": {"name": str, "ts": (int, float), "pid": int, "args": dict},  # the per-rank "microbatches" counter
 }
 
 
