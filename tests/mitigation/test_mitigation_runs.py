@@ -25,8 +25,8 @@ LAYOUTS = {
     "pp2-dp2": ["--pipeline-model-parallel-size", "2"],
     "tp2-dp2": ["--tensor-model-parallel-size", "2"],
     # megatron-core's own interleaved schedule: shares move in groups of pp, the loss is rescaled
-    "pp2-dp2-vpp-mcore": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-                          "--pipeline-schedule", "megatron-core"],
+    "pp2-dp2-vpp-mcore": ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                          "--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule", "megatron-core"],
     # MegaDPP's dynamic order over shm_tensor_rdma runs whatever count its replica has
     "pp2-dp2-dpp": ["--pipeline-model-parallel-size", "2", "--use-dpp"],
 }
@@ -55,6 +55,7 @@ def test_loss_curve_is_the_plain_runs_with_a_rank_slowed(layout):
     assert sum(shares) == 32 // 1 and shares[1] < min(s for d, s in enumerate(shares) if d != 1), shares
     assert f"rank {SLOW_RANK[layout]} at" in slowed.stdout
     if "vpp" in layout:
+        assert "vpp chunks=2" in slowed.stdout
         assert all(s % 2 == 0 for s in shares), shares  # whole groups of pp for the interleaved schedule
     a, b = curve(plain.stdout), curve(slowed.stdout)
     assert sorted(a) == sorted(b) == list(range(1, 19))
