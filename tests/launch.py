@@ -75,3 +75,14 @@ def kill_tree(pid: int) -> None:
             os.kill(target, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def writable_hierarchy() -> tuple[int, Path] | None:
+    """(cgroup version, hierarchy) that `fault throttle` would use on this host, or None."""
+    from megatron.scan.fault import cgroups, targets
+
+    try:
+        quota = cgroups.CpuQuota(1.0, [])
+    except targets.FaultError:
+        return None
+    return quota.version, quota.hierarchy

@@ -109,7 +109,7 @@ class Rebalancer:
         if self.hold_off > 0:
             self.hold_off -= 1
             return None
-        candidate = plan_shares(self.total, self.times, bubble=self.bubble, granularity=self.granularity)
+        candidate = self.best()
         now = plan_cost(self.shares, self.times, self.bubble)
         then = plan_cost(candidate, self.times, self.bubble)
         if candidate == self.shares or then >= now * (1.0 - self.threshold):
@@ -151,6 +151,10 @@ class Rebalancer:
             self._check = None  # an undo is not judged again
             return dataclasses.replace(undo, undone=(before, after))
         return None
+
+    def best(self) -> tuple[int, ...]:
+        """The plan the latest measured times call for (whether or not it is adopted)."""
+        return plan_shares(self.total, self.times, bubble=self.bubble, granularity=self.granularity)
 
     def predicted(self, shares: Sequence[int] | None = None) -> float:
         """Predicted seconds of `shares` (default: the current plan) at the latest measured times."""

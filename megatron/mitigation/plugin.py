@@ -35,7 +35,7 @@ from megatron.app.logs import print_rank_0
 from megatron.app.microbatches import MicrobatchPlan
 from megatron.app.observer import get_observer, remove_observer, set_observer
 from megatron.app.plugins import Plugin, register_plugin
-from megatron.mitigation.balance import Decision, Rebalancer, plan_shares, split_layers, stage_cost
+from megatron.mitigation.balance import Decision, Rebalancer, split_layers, stage_cost
 
 RECOMMENDATION_FILE = "mitigation.json"
 WARMUP_ITERATIONS = 2  # measured but not used: the first iterations of a run are slow on every rank
@@ -201,7 +201,7 @@ class MitigationPlugin(Plugin):
         self.ledger = Ledger()
         self.stage_history: list[tuple[float, ...]] = []
         self.rank_history: deque[list[float]] = deque(maxlen=self.config.window)  # for the log line
-        self.announce: str | None = None  # instant event for the next iteration's trace
+        self.announce = False  # mark the next iteration (a new plan's first) in the trace
         self.gauges = self._gauges(ctx)
         self.first_iteration = ctx.iteration
         if self.dp == 1 and self.pp == 1:
@@ -230,10 +230,10 @@ class MitigationPlugin(Plugin):
         return gauges
 
     def before_iteration(self, ctx, iteration: int) -> None:
-        if self.announce is not None:
+        if self.announce:
             # Marks the first iteration of a new plan in the trace (the "microbatches" counter shows it).
             get_observer().instant("mitigation", microbatch=-1)
-            self.announce = None
+            self.announce = False
 
     def after_iteration(self, ctx, iteration: int, metrics: dict[str, Any]) -> None:
         started = time.perf_counter()
@@ -293,14 +293,14 @@ class MitigationPlugin(Plugin):
             ledger.predicted_plan.append(r.predicted())
             ledger.mitigated.append(iteration_time)
         else:
-            best = plan_shares(r.total, r.times, bubble=r.bubble, granularity=r.granularity)
+            best = r.best()
             if r.predicted(best) < even * (1 - r.threshold):
                 ledger.straggling_even.append(iteration_time)
 
     def _apply(self, ctx, iteration: int, decision: Decision, per_rank: list[float]) -> None:
         ctx.microbatch_plan = MicrobatchPlan(shares=decision.shares, nominal=self.nominal)
         self.ledger.changes += 1
-        self.announce = "plan"
+        self.announce = True
         typical = statistics.median(per_rank)
         slow = sorted((typical / t, rank) for rank, t in enumerate(per_rank)
                       if t > 0 and t > typical * (1 + self.config.threshold))
@@ -334,7 +334,7 @@ class MitigationPlugin(Plugin):
         r = self.rebalancer
         if len(self.stage_history) < self.config.window or r.shares != self._even:
             return  # still measuring, or data parallelism is absorbing it
-        best_dp = plan_shares(r.total, r.times, bubble=r.bubble, granularity=r.granularity)
+        best_dp = r.best()
         if r.predicted(best_dp) < r.predicted() * (1 - r.threshold):
             return  # the rebalancer will act on it
         times = [statistics.median(column) for column in zip(*self.stage_history)]

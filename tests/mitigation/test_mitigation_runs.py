@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import ROOT, env, free_port, torchrun
+from launch import ROOT, env, free_port, torchrun, writable_hierarchy
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "32",
@@ -82,17 +82,7 @@ def test_flags_are_checked():
         assert run.returncode != 0 and message in run.stdout + run.stderr, run.stderr[-2000:]
 
 
-def _cgroup_writable() -> bool:
-    from megatron.scan.fault import cgroups, targets
-
-    try:
-        cgroups.CpuQuota(1.0, [])
-    except targets.FaultError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _cgroup_writable(), reason="needs a writable cgroup cpu hierarchy (root)")
+@pytest.mark.skipif(writable_hierarchy() is None, reason="needs a writable cgroup cpu hierarchy (root)")
 def test_a_rank_throttled_from_outside_gets_fewer_microbatches_until_it_recovers():
     from megatron.scan.fault import cgroups
 

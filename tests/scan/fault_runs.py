@@ -15,23 +15,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launch import ROOT, env, free_port
+from launch import ROOT, env, free_port, writable_hierarchy  # noqa: F401 (the fault tests import it here)
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--micro-batch-size", "2", "--global-batch-size", "16", "--mock-data", "--vocab-size", "256",
          "--device", "cpu", "--trace", "--trace-interval", "1", "--continuous-trace-iterations", "1"]
 ITERATION = re.compile(r" iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+)")
-
-
-def writable_hierarchy() -> tuple[int, Path] | None:
-    """(cgroup version, hierarchy) that `fault throttle` would use on this host, or None."""
-    from megatron.scan.fault import cgroups, targets
-
-    try:
-        quota = cgroups.CpuQuota(1.0, [])
-    except targets.FaultError:
-        return None
-    return quota.version, quota.hierarchy
 
 
 class FaultNotApplied(RuntimeError):
