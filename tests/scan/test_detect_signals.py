@@ -365,3 +365,34 @@ def test_online_a_rank_starved_only_before_the_newest_iterations_is_not_reported
     assert not host_starvation(pp2, recent=3).findings[0].flagged
     assert [r for r, f in host_starvation(data(host=host_rows({2: 6.0})), recent=3).findings.items()
             if f.flagged] == [2]
+
+
+def test_a_rank_starved_from_mid_run_is_named_only_if_it_falls_behind_its_peer_from_then_on():
+    """PP=2 x DP=2 on one host, 14 iterations, rank 1 starved of CPU from iteration 7 on (the host
+    counters of a healthy CI run on a loaded host had this). Computing as fast as its peer over
+    those iterations it costs the job nothing and is not named; 15% slower than its peer from then
+    on (too little for the compute comparison alone), it is named by its starvation."""
+    rng = np.random.default_rng(3)
+
+    def tables(slower: float) -> tuple[dict, dict]:
+        host, compute = [], []
+        for it in range(14):
+            for rank in range(4):
+                late = rank == 1 and it >= 7
+                level = (6.0 if late else 0.5) if rank == 1 else 1.0  # less starved than the others before
+                host.append((rank, it, 100 * rng.uniform(0.9, 1.1), 150 * rng.lognormal(0, 0.3) * level))
+                for task in range(8):
+                    busy = 10e6 * rng.lognormal(0, 0.05) * (slower if late else 1.0)
+                    compute.append((rank, it, task % 2, 0, task // 2, it * 1e9 + task * 1e7, busy))
+        return (table(compute, ("rank", "iteration", "kind", "chunk", "microbatch", "start", "busy")),
+                table(host, ("rank", "iteration", "cpu_ms", "cpu_wait_ms")))
+
+    compute, host = tables(1.0)
+    keeps_pace = detect(data(dp=2, pp=2, compute=compute, host=host))
+    assert keeps_pace.host.findings[1].flagged and keeps_pace.host.findings[1].onset_iteration == 7
+    assert keeps_pace.suspects == []
+    compute, host = tables(1.15)
+    behind = detect(data(dp=2, pp=2, compute=compute, host=host))
+    assert not behind.compute.findings[1].flagged
+    assert [(s.ranks, s.named_by) for s in behind.suspects] == [([1], ["host"])]
+    assert behind.suspects[0].evidence[0].startswith("starved of CPU from iteration 7 on")

@@ -27,10 +27,23 @@ class ComputeFinding:
     flagged: bool
     onset_iteration: int | None = None
     worst_ops: list[dict] = field(default_factory=list)
+    # The per-iteration log ratios judged, their iterations and noise (not reported; see z_since).
+    series: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False, metadata={"internal": True})
+    series_iterations: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False,
+                                          metadata={"internal": True})
+    series_noise: float = field(default=float("nan"), repr=False, metadata={"internal": True})
 
     @property
     def score(self) -> float:
         return self.slow_instances / self.instances if self.instances else 0.0
+
+    def z_since(self, iteration: int | None) -> float:
+        """The median log ratio over the iterations from `iteration` on (all with None), in
+        standard errors (nan with nothing to judge: history findings, no such iteration)."""
+        later = self.series if iteration is None else self.series[self.series_iterations >= iteration]
+        if not len(later) or not self.series_noise > 0:
+            return float("nan")
+        return float(np.median(later) / (1.2533 * self.series_noise / np.sqrt(len(later))))
 
 
 @dataclass(kw_only=True)
@@ -203,7 +216,9 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
                           slow_instances=int(slow.sum()), iterations=len(per_iteration),
                           slower_iterations=int(np.sum(per_iteration > 0)), slowdown=float(np.exp(median)),
                           task_slowdown=float(np.exp(np.median(instance_ratio))) if len(instance_ratio) else 1.0,
-                          z=float(z), flagged=flagged, worst_ops=worst_ops, onset_iteration=onset)
+                          z=float(z), flagged=flagged, worst_ops=worst_ops, onset_iteration=onset,
+                          series=np.asarray(per_iteration, dtype=np.float64),
+                          series_iterations=np.asarray(iterations_of, dtype=np.int64), series_noise=iteration_noise)
 
 
 def series_noise(series: list[np.ndarray], *, default: float, floor: float = 0.02) -> float:
