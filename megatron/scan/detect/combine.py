@@ -280,12 +280,12 @@ def _drop_pipeline_victims(data: DetectionInput, stage2: ArrivalStage, stage3: P
     return kept
 
 
-def _falls_behind(finding, since: int | None) -> bool:
-    """Compute at least STARVED_SLOWER times its peers' from `since` on, STARVED_SLOWER_Z
-    standard errors clear (history findings: their own flag)."""
-    z = finding.z_since(since)
-    later = finding.series if since is None else finding.series[finding.series_iterations >= since]
-    return bool(z >= STARVED_SLOWER_Z and np.exp(np.median(later)) >= STARVED_SLOWER)
+def _falls_behind(finding, since: int) -> bool:
+    """Its compute at least STARVED_SLOWER times its peers' from iteration `since` on, and
+    STARVED_SLOWER_Z standard errors clear (False with no such iteration compared)."""
+    later = finding.series[finding.series_iterations >= since]
+    return bool(len(later) and finding.z_since(since) >= STARVED_SLOWER_Z
+                and np.exp(np.median(later)) >= STARVED_SLOWER)
 
 
 def _plain(obj: Any) -> Any:
