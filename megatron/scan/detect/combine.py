@@ -283,9 +283,8 @@ def _drop_pipeline_victims(data: DetectionInput, stage2: ArrivalStage, stage3: P
 def _falls_behind(finding, since: int) -> bool:
     """Its compute at least STARVED_SLOWER times its peers' from iteration `since` on, and
     STARVED_SLOWER_Z standard errors clear (False with no such iteration compared)."""
-    later = finding.series[finding.series_iterations >= since]
-    return bool(len(later) and finding.z_since(since) >= STARVED_SLOWER_Z
-                and np.exp(np.median(later)) >= STARVED_SLOWER)
+    judged = finding.since(since)
+    return judged is not None and judged[0] >= STARVED_SLOWER and judged[1] >= STARVED_SLOWER_Z
 
 
 def _plain(obj: Any) -> Any:

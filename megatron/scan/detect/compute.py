@@ -27,7 +27,7 @@ class ComputeFinding:
     flagged: bool
     onset_iteration: int | None = None
     worst_ops: list[dict] = field(default_factory=list)
-    # The per-iteration log ratios judged, their iterations and noise (not reported; see z_since).
+    # The per-iteration log ratios judged, their iterations and noise (not reported; see since).
     series: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False, metadata={"internal": True})
     series_iterations: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False,
                                           metadata={"internal": True})
@@ -37,13 +37,14 @@ class ComputeFinding:
     def score(self) -> float:
         return self.slow_instances / self.instances if self.instances else 0.0
 
-    def z_since(self, iteration: int | None) -> float:
-        """The median log ratio over the iterations from `iteration` on (all with None), in
-        standard errors (nan with nothing to judge: history findings, no such iteration)."""
-        later = self.series if iteration is None else self.series[self.series_iterations >= iteration]
+    def since(self, iteration: int) -> tuple[float, float] | None:
+        """(slowdown, z) over the iterations from `iteration` on: the median per-iteration ratio to
+        its peers and that median log ratio in standard errors. None with no such iteration."""
+        later = self.series[self.series_iterations >= iteration]
         if not len(later) or not self.series_noise > 0:
-            return float("nan")
-        return float(np.median(later) / (1.2533 * self.series_noise / np.sqrt(len(later))))
+            return None
+        median = float(np.median(later))
+        return float(np.exp(median)), median / (1.2533 * self.series_noise / np.sqrt(len(later)))
 
 
 @dataclass(kw_only=True)
