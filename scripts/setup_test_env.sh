@@ -4,7 +4,8 @@
 # tests that need what is missing skip with their own reason.
 #   system packages (apt, as root): iproute2 (`ip`: network-namespace tests of the TCP transport),
 #     prometheus (`promtool`: the alert rules), libibverbs-dev (the RDMA verbs transport is compiled
-#     in; so it comes before the Python install), chromium (MegaScope's browser test)
+#     in; so it comes before the Python install), chromium (MegaScope's browser test), openmpi-bin and
+#     libopenmpi-dev (`mpirun`, `mpicc` and mpi.h: the Open MPI reference of benchmarks/shm_p2p.py)
 #   Python test dependencies: `pip install -e ".[test]"`, skipped while nothing it depends on changed
 #   MegaScope web app: `npm ci` when node_modules is older than package-lock.json, `npm run build`
 #     when dist/ is older than its sources; `web_unit_tests` runs vitest (each time it is called)
@@ -31,8 +32,10 @@ setup_system_packages() {
     command -v promtool >/dev/null || missing+=(prometheus)
     [ -f /usr/include/infiniband/verbs.h ] || missing+=(libibverbs-dev)
     [ -x "${CHROMIUM:-/usr/bin/chromium}" ] || missing+=(chromium)
+    command -v mpirun >/dev/null || missing+=(openmpi-bin)
+    [ -f "$(mpicc --showme:incdirs 2>/dev/null | cut -d' ' -f1)/mpi.h" ] || missing+=(libopenmpi-dev)
     if [ ${#missing[@]} -eq 0 ]; then
-        _setup_say "system packages: present (ip, promtool, infiniband/verbs.h, chromium)"
+        _setup_say "system packages: present (ip, promtool, infiniband/verbs.h, chromium, mpirun, mpi.h)"
     elif [ -n "${NO_APT:-}" ]; then
         _setup_say "system packages: ${missing[*]} missing, not installed (NO_APT is set)"
     elif [ "$(id -u)" != 0 ]; then

@@ -45,7 +45,8 @@ class EndpointConfig:
     eager_bytes: int = 4096        # messages up to this size skip the size handshake
     shm_ctrl_slots: int = 128      # control slots per peer (power of two)
     shm_bulk_slots: int = 16       # data chunk slots per peer (power of two)
-    spin_us: int = 50              # receive threads poll this long before sleeping
+    spin_us: int = 50              # a waiting caller polls this long before sleeping
+    single_copy: bool = True       # shm: large messages read straight out of the sender's memory
     transports: tuple[str, ...] = _TRANSPORTS  # allowed; chosen per peer: shm > verbs > tcp
     verbs_device: str = ""         # RDMA device name; "" = first with an active port
     transfer_timeout: float | None = 600.0  # default per-transfer timeout (None: none)
@@ -203,6 +204,7 @@ class Endpoint:
         cfg.allow_shm, cfg.allow_tcp, cfg.allow_verbs = ("shm" in c.transports, "tcp" in c.transports,
                                                          "verbs" in c.transports)
         cfg.verbs_device = c.verbs_device
+        cfg.single_copy = bool(c.single_copy)
         cfg.dtype_names = dtype_names()
         self._engine = _C.Engine(cfg)
         self._lock = threading.Lock()
@@ -262,6 +264,40 @@ class Endpoint:
             raise ValueError("irecv: the out tensor must be contiguous (or pass (shape, dtype) to allocate one)")
         wire = out if out.is_cpu else self._pinned.take(out.shape, out.dtype)
         return self._post(False, out, wire, src, tag, timeout)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float | None | _Default = DEFAULT) -> None:
+        """Sends `tensor` and returns once it is sent: `isend(...).wait()` in a single call into
+        the core, without a Handle. The lowest-latency way to send one small tensor. `timeout`
+        is the transfer's own (see isend); it raises the transfer's error."""
+        if type(tensor) is not torch.Tensor or not (tensor.is_cpu and tensor.is_contiguous()):
+            self.isend(tensor, dst, tag, timeout=timeout).wait()
+            return
+        self._blocking(True, tensor, dst, tag, timeout, "send")
+
+    def recv(self, out: torch.Tensor | tuple[Sequence[int], torch.dtype], src: int, tag: int, *,
+             timeout: float | None | _Default = DEFAULT, device: torch.device | str | None = None) -> torch.Tensor:
+        """Receives into `out` (or a new tensor for a (shape, dtype) pair) and returns it:
+        `irecv(...).wait()` in a single call into the core, without a Handle."""
+        if type(out) is not torch.Tensor or not (out.is_cpu and out.is_contiguous()):
+            return self.irecv(out, src, tag, timeout=timeout, device=device).wait()
+        self._blocking(False, out, src, tag, timeout, "recv")
+        return out
+
+    def _blocking(self, is_send: bool, tensor: torch.Tensor, peer: int, tag: int,
+                  timeout: float | None | _Default, op: str) -> None:
+        self._check_open(op)
+        _check_tensor(tensor, op)
+        if type(peer) is not int:
+            peer = _check_int(peer, "dst" if is_send else "src")
+        if type(tag) is not int:
+            tag = _check_int(tag, "tag")
+        if not _INT64[0] <= tag <= _INT64[1]:
+            raise ValueError(f"tag must fit in a signed 64-bit integer, got {tag}")
+        _, state, kind, message = self._engine.transfer(
+            is_send, tensor.data_ptr(), tensor.nbytes, dtype_code(tensor.dtype), list(tensor.shape), peer, tag,
+            self._timeout_seconds(timeout))
+        if state != _DONE:
+            raise error_for(kind, message, peer)
 
     def _post(self, is_send: bool, tensor: torch.Tensor, wire: torch.Tensor, peer: int, tag: int,
               timeout: float | None | _Default) -> Handle:
@@ -331,6 +367,13 @@ class Endpoint:
         """"shm", "verbs" or "tcp": how this endpoint reaches `peer` ("self" for its own rank)."""
         self._check_open("transport")
         return self._engine.transport_of(_check_int(peer, "peer"))
+
+    def copy_path(self, peer: int) -> str:
+        """How messages above `eager_bytes` move to and from `peer` over shared memory: "single copy
+        (cross-memory attach)", or "two copies through the ring (<why not single copy>)"; for
+        other transports their name."""
+        self._check_open("copy_path")
+        return self._engine.copy_path(_check_int(peer, "peer"))
 
     def _apply(self, finished: list[tuple[int, int, int, str]]) -> list[Handle]:
         out = []

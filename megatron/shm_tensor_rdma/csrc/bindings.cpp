@@ -5,6 +5,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <deque>
+
 #include "engine.h"
 #include "shm_transport.h"
 #include "verbs_logic.h"
@@ -62,6 +64,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("shm_ctrl_slots", &EngineConfig::shm_ctrl_slots)
       .def_readwrite("shm_bulk_slots", &EngineConfig::shm_bulk_slots)
       .def_readwrite("spin_us", &EngineConfig::spin_us)
+      .def_readwrite("single_copy", &EngineConfig::single_copy)
       .def_readwrite("allow_shm", &EngineConfig::allow_shm)
       .def_readwrite("allow_tcp", &EngineConfig::allow_tcp)
       .def_readwrite("allow_verbs", &EngineConfig::allow_verbs)
@@ -112,9 +115,78 @@ PYBIND11_MODULE(_C, m) {
         }
         return finished_list(v);
       }, py::arg("timeout_s"))
+      // Posts and waits in one call (the blocking send/recv): no Handle, one GIL round trip.
+      // Returns when the transfer finished or failed (its own timeout ends it).
+      .def("transfer", [](Engine& e, bool is_send, uintptr_t data, uint64_t nbytes, uint32_t dtype,
+                          const std::vector<int64_t>& shape, int peer, int64_t tag, double timeout_s) {
+        Finished f;
+        {
+          py::gil_scoped_release nogil;
+          uint64_t id = is_send ? e.isend(data, nbytes, dtype, shape, peer, tag, timeout_s)
+                                : e.irecv(data, nbytes, dtype, shape, peer, tag, timeout_s);
+          e.wait(id, -1);
+          f = e.release(id);
+        }
+        return finished_tuple(f);
+      }, py::arg("is_send"), py::arg("data"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"), py::arg("peer"),
+         py::arg("tag"), py::arg("timeout_s"))
+      // The library's own latency, without Python: `iters` round trips of `nbytes` with `peer`
+      // (the initiator sends first); returns seconds per one-way message. Both ranks call it.
+      .def("ping_pong", [](Engine& e, int peer, uint64_t nbytes, int iters, bool initiator, int64_t tag) {
+        py::gil_scoped_release nogil;
+        std::vector<uint8_t> out(nbytes ? nbytes : 1, 1), back(nbytes ? nbytes : 1, 0);
+        const std::vector<int64_t> shape{static_cast<int64_t>(nbytes)};
+        auto once = [&](bool send) {
+          uint64_t id = send ? e.isend(reinterpret_cast<uintptr_t>(out.data()), nbytes, 0, shape, peer, tag, 60)
+                             : e.irecv(reinterpret_cast<uintptr_t>(back.data()), nbytes, 0, shape, peer, tag, 60);
+          e.wait(id, -1);
+          Finished f = e.release(id);
+          if (f.state != static_cast<int>(ReqState::Done)) throw TransportError("ping_pong: " + f.message);
+        };
+        const auto started = Clock::now();
+        for (int i = 0; i < iters; ++i) {
+          once(initiator);
+          once(!initiator);
+        }
+        return std::chrono::duration<double>(Clock::now() - started).count() / (2.0 * iters);
+      }, py::arg("peer"), py::arg("nbytes"), py::arg("iters"), py::arg("initiator"), py::arg("tag"))
+      // The library's own streaming rate, without Python: the sender keeps `window` messages
+      // of `nbytes` in flight to `peer` (the receiver as many receives), `iters` in all, then
+      // the receiver acknowledges; returns seconds on the sender from the first send to the ack.
+      .def("stream", [](Engine& e, int peer, uint64_t nbytes, int iters, int window, bool sender, int64_t tag) {
+        py::gil_scoped_release nogil;
+        if (window < 1) throw ArgumentError("stream: window must be >= 1");
+        std::vector<std::vector<uint8_t>> buffers(window, std::vector<uint8_t>(nbytes ? nbytes : 1, sender ? 1 : 0));
+        uint8_t ack = 0;
+        const std::vector<int64_t> shape{static_cast<int64_t>(nbytes)}, one{1};
+        auto check = [&](uint64_t id) {
+          e.wait(id, -1);
+          Finished f = e.release(id);
+          if (f.state != static_cast<int>(ReqState::Done)) throw TransportError("stream: " + f.message);
+        };
+        std::deque<uint64_t> in_flight;
+        const auto started = Clock::now();
+        int posted = 0;
+        auto post = [&] {
+          auto data = reinterpret_cast<uintptr_t>(buffers[posted % window].data());
+          in_flight.push_back(sender ? e.isend(data, nbytes, 0, shape, peer, tag, 60)
+                                     : e.irecv(data, nbytes, 0, shape, peer, tag, 60));
+          ++posted;
+        };
+        while (posted < iters && posted < window) post();
+        while (!in_flight.empty()) {
+          check(in_flight.front());
+          in_flight.pop_front();
+          if (posted < iters) post();
+        }
+        const auto ack_ptr = reinterpret_cast<uintptr_t>(&ack);
+        check(sender ? e.irecv(ack_ptr, 1, 0, one, peer, tag + 1, 60) : e.isend(ack_ptr, 1, 0, one, peer, tag + 1, 60));
+        return std::chrono::duration<double>(Clock::now() - started).count();
+      }, py::arg("peer"), py::arg("nbytes"), py::arg("iters"), py::arg("window"), py::arg("sender"), py::arg("tag"))
       .def("in_flight", &Engine::in_flight, released)
       .def("describe", py::overload_cast<uint64_t>(&Engine::describe), py::arg("id"), released)
       .def("transport_of", &Engine::transport_of, py::arg("peer"))
+      .def("copy_path", &Engine::copy_path, py::arg("peer"))
       .def("close", &Engine::close, py::arg("grace_s") = 2.0, released);
 
   m.def("verbs_compiled", &verbs_compiled);

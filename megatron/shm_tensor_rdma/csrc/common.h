@@ -4,6 +4,7 @@
 
 #include <linux/futex.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -64,6 +65,7 @@ enum class MsgType : uint32_t {
   Nack = 4,   // a transfer was refused or abandoned; payload is the reason text
   Data = 5,   // one chunk of a matched transfer: `nbytes` bytes at `offset`
   Bye = 6,    // the sender closes its endpoint; nothing follows
+  Pulled = 7, // shm single copy: the receiver read the whole message out of the sender's memory
 };
 
 constexpr int kMaxDims = 32;
@@ -76,13 +78,13 @@ struct CtrlHeader {
   uint64_t recv_id = 0;        // request id on the receiving rank (Cts, Data, Nack)
   uint64_t nbytes = 0;         // message size (Eager, Rts) or chunk size (Data)
   uint64_t offset = 0;         // chunk offset (Data)
-  uint64_t remote_addr = 0;    // verbs: receive buffer address advertised in Cts
-  uint32_t rkey = 0;           // verbs: remote key of that buffer
+  uint64_t remote_addr = 0;    // verbs Cts: receive buffer address; shm Rts: the sender's buffer (single copy)
+  uint32_t rkey = 0;           // verbs Cts: remote key of that buffer; shm Rts: generation of the claim
   uint32_t ndim = 0;
   uint32_t payload_bytes = 0;  // bytes that follow the header in the same slot/frame
   uint32_t error_kind = 0;     // Nack: ErrorKind
   uint32_t from_sender = 0;    // Nack: 1 when the sender abandons, 0 when the receiver refuses
-  uint32_t token = 0;          // verbs Cts: immediate value the final RDMA write must carry
+  uint32_t token = 0;          // verbs Cts: immediate value of the final write; shm Rts: claim slot + 1
   int64_t shape[kMaxDims] = {};
 };
 static_assert(sizeof(CtrlHeader) % 8 == 0, "header must keep payloads 8-byte aligned");
@@ -105,6 +107,13 @@ inline void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t t
 
 inline void futex_wake(std::atomic<uint32_t>* word, int count) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, count, nullptr, nullptr, 0);
+}
+
+// CLOCK_MONOTONIC in nanoseconds: comparable between processes on one host.
+inline int64_t monotonic_ns() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
 }
 
 inline void cpu_relax() {

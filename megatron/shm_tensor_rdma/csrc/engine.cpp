@@ -115,6 +115,7 @@ void Engine::connect(const std::vector<std::string>& addresses, double timeout_s
       opt.ctrl_slot_payload = static_cast<uint32_t>(sizeof(CtrlHeader) + cfg_.eager_bytes);
       opt.bulk_slots = cfg_.shm_bulk_slots;
       opt.bulk_slot_payload = static_cast<uint32_t>(sizeof(CtrlHeader) + cfg_.workload_bytes);
+      opt.single_copy = cfg_.single_copy;
       shm_ = std::make_unique<ShmDomain>(*this, opt, cfg_.job_id, cfg_.rank, cfg_.world_size, local);
       // Serve our segment while fetching the peers' ones, so no pair waits on the other.
       std::exception_ptr server_error;
@@ -177,7 +178,13 @@ std::string Engine::transport_of(int peer) {
   return channels_[peer]->kind();
 }
 
+std::string Engine::copy_path(int peer) {
+  std::string kind = transport_of(peer);
+  return kind == "shm" ? channels_[peer]->copy_path() : kind;
+}
+
 int Engine::state(uint64_t id) {
+  progress();
   std::lock_guard<std::mutex> lk(mu_);
   auto it = requests_.find(id);
   if (it == requests_.end()) return -1;
@@ -207,7 +214,7 @@ bool Engine::spin_until(Ready ready, Clock::time_point deadline) {
     std::shared_ptr<SendJob> job;
     uint64_t offset = 0, bytes = 0;
     bool worked = shm_->progress_once();
-    if (!worked && take_chunk(false, &job, &offset, &bytes)) {
+    if (!worked && send_jobs_queued_.load(std::memory_order_relaxed) > 0 && take_chunk(false, &job, &offset, &bytes)) {
       run_chunk(job, offset, bytes);
       worked = true;
     }
@@ -216,6 +223,7 @@ bool Engine::spin_until(Ready ready, Clock::time_point deadline) {
       continue;
     }
     if (Clock::now() >= until) break;
+    shm_->nudge_peers();
     cpu_relax();
   }
   shm_->end_polling();
@@ -233,12 +241,17 @@ bool Engine::wait(uint64_t id, double timeout_s) {
     return it == requests_.end() || it->second->published;
   };
   if (spin_until(done, deadline)) return true;
+  Blocking blocking(connected_ ? shm_.get() : nullptr);
   std::unique_lock<std::mutex> lk(mu_);
   if (deadline == Clock::time_point::max()) {
     done_cv_.wait(lk, done);
     return true;
   }
   return done_cv_.wait_until(lk, deadline, done);
+}
+
+void Engine::progress() {
+  if (shm_ && connected_) shm_->progress_once();
 }
 
 Finished Engine::take(uint64_t id) {
@@ -270,11 +283,13 @@ Finished Engine::take(uint64_t id) {
 }
 
 Finished Engine::release(uint64_t id) {
+  progress();
   std::lock_guard<std::mutex> lk(mu_);
   return take(id);
 }
 
 std::vector<Finished> Engine::poll() {
+  progress();
   std::lock_guard<std::mutex> lk(mu_);
   std::vector<Finished> out;
   while (!completed_.empty()) {
@@ -289,6 +304,7 @@ std::vector<Finished> Engine::poll() {
 std::vector<Finished> Engine::wait_any(double timeout_s) {
   const auto deadline = deadline_after(timeout_s);
   spin_until([&] { return !completed_.empty() || requests_.empty(); }, deadline);
+  Blocking blocking(connected_ ? shm_.get() : nullptr);
   std::unique_lock<std::mutex> lk(mu_);
   std::vector<Finished> out;
   for (;;) {
@@ -308,6 +324,7 @@ std::vector<Finished> Engine::wait_any(double timeout_s) {
 }
 
 size_t Engine::in_flight() {
+  progress();
   std::lock_guard<std::mutex> lk(mu_);
   size_t n = 0;
   for (auto& kv : requests_) n += kv.second->published ? 0 : 1;
@@ -323,6 +340,7 @@ std::string Engine::describe(uint64_t id) {
 void Engine::enqueue_send_job(std::shared_ptr<SendJob> job) {
   std::lock_guard<std::mutex> lk(send_mu_);
   send_jobs_.push_back(std::move(job));
+  send_jobs_queued_.store(send_jobs_.size(), std::memory_order_relaxed);
   send_cv_.notify_one();
 }
 
@@ -342,10 +360,12 @@ bool Engine::take_chunk(bool block, std::shared_ptr<SendJob>* job, uint64_t* off
     send_jobs_.push_back(*job);
     send_cv_.notify_one();
   }
+  send_jobs_queued_.store(send_jobs_.size(), std::memory_order_relaxed);
   return true;
 }
 
 void Engine::run_chunk(const std::shared_ptr<SendJob>& job, uint64_t offset, uint64_t bytes) {
+  if (job->pull) return run_pull_chunk(job, offset, bytes);
   if (!send_chunk_begin(job->req)) return;
   std::string error = job->channel->push_chunk(*job, offset, bytes);
   send_chunk_end(job->req, error.empty() && !job->req->aborted.load() ? bytes : 0, error);
@@ -384,8 +404,13 @@ void Engine::monitor_body() {
   while (!monitor_stop_) {
     mlk.unlock();
     bool queued = false;
+    bool owed = false;
     for (Channel* ch : channels_)
-      if (ch) queued |= ch->flush();
+      if (ch) {
+        queued |= ch->flush();
+        ch->nudge();
+        owed |= ch->owes_wake();
+      }
     const auto now = Clock::now();
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -399,7 +424,10 @@ void Engine::monitor_body() {
         next_deadline_scan = now + std::chrono::milliseconds(5);
         std::vector<std::shared_ptr<Request>> expired;
         for (auto& kv : requests_)
-          if (kv.second->state == ReqState::Pending && kv.second->deadline <= now) expired.push_back(kv.second);
+          if (kv.second->state == ReqState::Pending && kv.second->deadline <= now &&
+              // the peer is reading this send's buffer right now: it is about to finish
+              !(kv.second->pull_slot >= 0 && channels_[kv.second->peer]->being_pulled(*kv.second)))
+            expired.push_back(kv.second);
         for (auto& r : expired) {
           char secs[32];
           std::snprintf(secs, sizeof(secs), "%g", r->timeout_s);
@@ -409,7 +437,10 @@ void Engine::monitor_body() {
     }
     mlk.lock();
     // Queued control messages are retried soon; otherwise only deadlines need attention.
-    monitor_cv_.wait_for(mlk, queued ? std::chrono::microseconds(200) : std::chrono::milliseconds(5));
+    // Queued control messages are retried soon. An owed wake-up is delivered by the waiting
+    // sender itself (spin_until) in the common case; this is the safety net when it does not wait.
+    monitor_cv_.wait_for(mlk, queued ? std::chrono::microseconds(200)
+                              : owed ? std::chrono::milliseconds(1) : std::chrono::milliseconds(5));
   }
 }
 
@@ -438,6 +469,16 @@ void Engine::close(double grace_s) {
       if (kv.second->state == ReqState::Pending) pending.push_back(kv.second);
     for (auto& r : pending) fail(r, ErrorKind::Closed, describe(*r) + " was still in flight when the endpoint closed");
     done_cv_.notify_all();
+  }
+  {
+    // A send whose buffer a peer is reading (single copy) is reported only once the peer is
+    // done, because Python frees the tensor then; give those reads the grace period.
+    std::unique_lock<std::mutex> lk(mu_);
+    done_cv_.wait_until(lk, deadline_after(grace_s < 0 ? 0 : grace_s), [&] {
+      for (auto& kv : requests_)
+        if (kv.second->pull_hold) return false;
+      return true;
+    });
   }
   {
     std::lock_guard<std::mutex> lk(send_mu_);

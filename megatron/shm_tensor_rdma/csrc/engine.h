@@ -36,6 +36,7 @@ struct EngineConfig {
   uint32_t shm_ctrl_slots = 128;
   uint32_t shm_bulk_slots = 16;
   int spin_us = 50;
+  bool single_copy = true;  // shm: large messages read straight from the sender (where permitted)
   bool allow_shm = true;
   bool allow_tcp = true;
   bool allow_verbs = true;
@@ -73,6 +74,7 @@ class Engine : public EngineSink {
   size_t in_flight();
   std::string describe(uint64_t id);
   std::string transport_of(int peer);
+  std::string copy_path(int peer);
   void close(double grace_s);
 
   // EngineSink
@@ -103,6 +105,7 @@ class Engine : public EngineSink {
                                         const std::vector<int64_t>& shape, int peer, int64_t tag, double timeout_s);
   void check_ready(const char* op, int peer, const char* peer_arg) const;
   // ---- the following need mu_ held
+  void on_ctrl_locked(int peer, const CtrlHeader& h, const uint8_t* payload);
   void accept_arrival(const std::shared_ptr<Request>& recv, const CtrlHeader& h, const uint8_t* payload);
   void fail(const std::shared_ptr<Request>& req, ErrorKind kind, const std::string& message);
   void finish(const std::shared_ptr<Request>& req);
@@ -120,11 +123,30 @@ class Engine : public EngineSink {
   void send_loop();
   bool take_chunk(bool block, std::shared_ptr<SendJob>* job, uint64_t* offset, uint64_t* bytes);
   void run_chunk(const std::shared_ptr<SendJob>& job, uint64_t offset, uint64_t bytes);
+  void run_pull_chunk(const std::shared_ptr<SendJob>& job, uint64_t offset, uint64_t bytes);
+  // Starts the single-copy reads that matching queued in pulls_ (called without mu_).
+  void start_pulls();
+  // mu_ held: a single-copy send's outcome is known to the peer; stop holding it back.
+  void end_pull_hold(const std::shared_ptr<Request>& send);
   // Spins up to spin_us, driving the shared-memory inbox from the calling thread, until
   // `ready()` (checked under mu_) holds. Saves two thread wake-ups per message when the
   // answer comes quickly, which is what small-message latency is made of.
   template <class Ready>
   bool spin_until(Ready ready, Clock::time_point deadline);
+
+  // Consumes what peers published in our shared-memory inbox, from the calling thread. Every
+  // call that reports completion does it first: eager messages do not wake a receive thread
+  // when nobody waits (see ShmChannel::ring_peer_doorbell).
+  void progress();
+  struct Blocking {
+    explicit Blocking(ShmDomain* d) : domain(d) {
+      if (domain) domain->begin_blocking();
+    }
+    ~Blocking() {
+      if (domain) domain->end_blocking();
+    }
+    ShmDomain* domain;
+  };
 
   EngineConfig cfg_;
   int listen_fd_ = -1;
@@ -151,6 +173,8 @@ class Engine : public EngineSink {
   std::mutex send_mu_;
   std::condition_variable send_cv_;
   std::deque<std::shared_ptr<SendJob>> send_jobs_;
+  std::atomic<size_t> send_jobs_queued_{0};  // send_jobs_.size(), readable without send_mu_
+  std::vector<std::shared_ptr<SendJob>> pulls_;  // mu_: matched single-copy receives to start
   bool send_stop_ = false;
   std::vector<std::thread> send_threads_;
 

@@ -98,6 +98,7 @@ uint64_t Engine::isend(uintptr_t data, uint64_t nbytes, uint32_t dtype, const st
     finish(req);
   } else {
     h.type = static_cast<uint32_t>(MsgType::Rts);
+    ch->offer_pull(*req, h);
     ch->post_ctrl(h, nullptr);
   }
   return req->id;
@@ -107,21 +108,26 @@ uint64_t Engine::irecv(uintptr_t data, uint64_t nbytes, uint32_t dtype, const st
                        int64_t tag, double timeout_s) {
   check_ready("irecv", src, "src");
   auto req = make_request(false, data, nbytes, dtype, shape, src, tag, timeout_s);
-  std::lock_guard<std::mutex> lk(mu_);
-  req->id = next_id_++;
-  requests_[req->id] = req;
-  PeerState& ps = peers_[src];
-  auto it = ps.arrived.find(tag);
-  if (it != ps.arrived.end() && !it->second.empty()) {
-    Arrival a = std::move(it->second.front());
-    it->second.pop_front();
-    if (it->second.empty()) ps.arrived.erase(it);
-    accept_arrival(req, a.header, a.payload.data());
-  } else if (ps.gone_final) {
-    fail(req, ErrorKind::PeerGone, describe(*req) + " failed: " + ps.gone_reason);
-  } else {
-    ps.posted[tag].push_back(req);
+  bool pulls = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    req->id = next_id_++;
+    requests_[req->id] = req;
+    PeerState& ps = peers_[src];
+    auto it = ps.arrived.find(tag);
+    if (it != ps.arrived.end() && !it->second.empty()) {
+      Arrival a = std::move(it->second.front());
+      it->second.pop_front();
+      if (it->second.empty()) ps.arrived.erase(it);
+      accept_arrival(req, a.header, a.payload.data());
+    } else if (ps.gone_final) {
+      fail(req, ErrorKind::PeerGone, describe(*req) + " failed: " + ps.gone_reason);
+    } else {
+      ps.posted[tag].push_back(req);
+    }
+    pulls = !pulls_.empty();
   }
+  if (pulls) start_pulls();
   return req->id;
 }
 
@@ -157,13 +163,35 @@ void Engine::accept_arrival(const std::shared_ptr<Request>& recv, const CtrlHead
     fail(recv, ErrorKind::PeerGone, describe(*recv) + " failed: " + peers_[recv->peer].gone_reason);
     return;
   }
+  Channel* ch = channels_[recv->peer];
+  switch (ch->claim_pull(h)) {
+    case 1: {  // read the sender's buffer directly, once mu_ is released
+      recv->pull_slot = static_cast<int32_t>(h.token - 1);
+      recv->pull_gen = h.rkey;
+      recv->pull_addr = h.remote_addr;
+      auto job = std::make_shared<SendJob>();
+      job->pull = true;
+      job->req = recv;
+      job->channel = ch;
+      job->recv_id = h.send_id;
+      job->remote_addr = h.remote_addr;
+      // Reads above workload_bytes are split in two or more (up to 1 MiB each) so the copy
+      // threads and waiting callers read in parallel; fewer, larger reads cost fewer calls.
+      job->chunk = std::max<uint64_t>(cfg_.workload_bytes, std::min<uint64_t>(1u << 20, (recv->nbytes + 1) / 2));
+      pulls_.push_back(std::move(job));
+      return;
+    }
+    case -1:  // the sender withdrew the offer (it gave up); its Nack follows and fails this receive
+      return;
+    default:
+      break;
+  }
   CtrlHeader cts;
   cts.type = static_cast<uint32_t>(MsgType::Cts);
   cts.tag = h.tag;
   cts.send_id = h.send_id;
   cts.recv_id = recv->id;
   cts.nbytes = recv->nbytes;
-  Channel* ch = channels_[recv->peer];
   std::string error = ch->prepare_recv(*recv, cts);
   if (!error.empty()) {
     fail(recv, ErrorKind::Internal, describe(*recv) + ": " + error);
@@ -173,8 +201,19 @@ void Engine::accept_arrival(const std::shared_ptr<Request>& recv, const CtrlHead
 }
 
 void Engine::on_ctrl(int peer, const CtrlHeader& h, const uint8_t* payload) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (closing_) return;
+  bool pulls = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    on_ctrl_locked(peer, h, payload);
+    pulls = !pulls_.empty();
+  }
+  if (pulls) start_pulls();
+}
+
+void Engine::on_ctrl_locked(int peer, const CtrlHeader& h, const uint8_t* payload) {
+  const auto type = static_cast<MsgType>(h.type);
+  // While closing, only answers that release a send's buffer still matter.
+  if (closing_ && type != MsgType::Pulled && !(type == MsgType::Nack && !h.from_sender)) return;
   PeerState& ps = peers_[peer];
   switch (static_cast<MsgType>(h.type)) {
     case MsgType::Eager:
@@ -197,6 +236,7 @@ void Engine::on_ctrl(int peer, const CtrlHeader& h, const uint8_t* payload) {
       auto send = find(h.send_id);
       // A Cts for a send that already failed (timeout) is stale: our Nack tells the receiver.
       if (!send || !send->is_send || send->state != ReqState::Pending || send->peer != peer) break;
+      channels_[peer]->release_pull(*send);  // the receiver chose two copies
       send->matched = true;
       send->remote_id = h.recv_id;
       channels_[peer]->start_data(send, h.recv_id, h);
@@ -207,8 +247,10 @@ void Engine::on_ctrl(int peer, const CtrlHeader& h, const uint8_t* payload) {
       auto kind = static_cast<ErrorKind>(h.error_kind);
       if (!h.from_sender) {
         auto send = find(h.send_id);
-        if (send && send->is_send && send->peer == peer)
+        if (send && send->is_send && send->peer == peer) {
+          end_pull_hold(send);
           fail(send, kind, describe(*send) + " failed: " + reason);
+        }
         break;
       }
       // The sender gave up. Its Rts may still wait unmatched here, or a receive may hold it.
@@ -229,9 +271,80 @@ void Engine::on_ctrl(int peer, const CtrlHeader& h, const uint8_t* payload) {
       }
       break;
     }
+    case MsgType::Pulled: {
+      auto send = find(h.send_id);
+      if (!send || !send->is_send || send->peer != peer) break;
+      end_pull_hold(send);
+      if (send->state == ReqState::Pending) {
+        send->matched = true;
+        send->remote_id = h.recv_id;
+        send->bytes_done = send->nbytes;
+        finish(send);
+      }
+      break;
+    }
     default:
       break;
   }
+}
+
+void Engine::end_pull_hold(const std::shared_ptr<Request>& send) {
+  channels_[send->peer]->release_pull(*send);
+  if (send->pull_hold) {
+    send->pull_hold = false;
+    --send->busy;
+    maybe_publish(send);
+  }
+}
+
+void Engine::start_pulls() {
+  std::vector<std::shared_ptr<SendJob>> jobs;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    jobs.swap(pulls_);
+  }
+  for (auto& job : jobs) {
+    // One chunk's worth is read at once by this thread (it matched the message, so it is
+    // the thread that wants it): no hand-off. Larger reads are shared with the copy threads
+    // and with waiting callers.
+    if (job->req->nbytes <= job->chunk) {
+      job->next_offset = job->req->nbytes;
+      run_pull_chunk(job, 0, job->req->nbytes);
+    } else {
+      enqueue_send_job(job);
+    }
+  }
+}
+
+void Engine::run_pull_chunk(const std::shared_ptr<SendJob>& job, uint64_t offset, uint64_t bytes) {
+  const auto& recv = job->req;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (recv->state != ReqState::Pending) return;
+    ++recv->busy;
+  }
+  std::string error = job->channel->pull(recv->data + offset, job->remote_addr + offset, bytes);
+  std::lock_guard<std::mutex> lk(mu_);
+  --recv->busy;
+  if (recv->state != ReqState::Pending) {
+    maybe_publish(recv);
+    return;
+  }
+  if (!error.empty()) {
+    fail(recv, ErrorKind::Internal, describe(*recv) + " failed: " + error + " (" + stage(*recv) + ")");
+    return;
+  }
+  recv->bytes_done += bytes;
+  if (recv->bytes_done < recv->nbytes) return;
+  job->channel->pull_over(*recv);
+  CtrlHeader done;
+  done.type = static_cast<uint32_t>(MsgType::Pulled);
+  done.tag = recv->tag;
+  done.send_id = job->recv_id;  // the sender's request id
+  done.recv_id = recv->id;
+  done.nbytes = recv->nbytes;
+  job->channel->post_ctrl(done, nullptr);
+  finish(recv);
 }
 
 DataLease Engine::data_begin(int peer, const CtrlHeader& h) {
@@ -312,6 +425,15 @@ void Engine::fail(const std::shared_ptr<Request>& req, ErrorKind kind, const std
   req->error = message;
   req->aborted.store(true);
   PeerState& ps = peers_[req->peer];
+  if (req->pull_slot >= 0 && channels_[req->peer]) {
+    if (!req->is_send) {
+      channels_[req->peer]->pull_over(*req);
+    } else if (!ps.gone && !channels_[req->peer]->withdraw_pull(*req)) {
+      // The peer is reading the buffer: report the failure only when it is done with it.
+      req->pull_hold = true;
+      ++req->busy;
+    }
+  }
   if (!req->is_send && !req->matched) {
     auto it = ps.posted.find(req->tag);
     if (it != ps.posted.end()) {
@@ -353,6 +475,8 @@ void Engine::maybe_publish(const std::shared_ptr<Request>& req) {
 void Engine::fail_peer_requests(int peer) {
   PeerState& ps = peers_[peer];
   ps.gone_final = true;
+  for (auto& kv : requests_)
+    if (kv.second->peer == peer && kv.second->pull_hold) end_pull_hold(kv.second);  // no reader left
   std::vector<std::shared_ptr<Request>> victims;
   // A request with a copy in progress may be about to complete (its last chunk already
   // reached the peer, which is why the peer could finish and leave): the copy settles it.

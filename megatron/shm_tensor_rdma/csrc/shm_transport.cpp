@@ -3,19 +3,52 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
+
+#include <fstream>
 
 namespace strdma {
 namespace {
 
 constexpr uint64_t kSegmentMagic = 0x31414d4453525453ULL;  // "STRSDMA1"
-constexpr uint32_t kSegmentVersion = 1;
+constexpr uint32_t kSegmentVersion = 2;
 
 uint64_t* ring_table(void* base) {
   return reinterpret_cast<uint64_t*>(static_cast<char*>(base) + sizeof(SegmentHeader));
 }
 
 size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// Reads `bytes` at `remote` in process `pid` into `dst`; "" or why not.
+std::string read_remote(int pid, uint8_t* dst, uint64_t remote, uint64_t bytes) {
+  uint64_t done = 0;
+  while (done < bytes) {
+    struct iovec local{dst + done, static_cast<size_t>(bytes - done)};
+    struct iovec far{reinterpret_cast<void*>(remote + done), static_cast<size_t>(bytes - done)};
+    ssize_t n = process_vm_readv(pid, &local, 1, &far, 1, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno_text("process_vm_readv");
+    }
+    if (n == 0) return "process_vm_readv read nothing";
+    done += static_cast<uint64_t>(n);
+  }
+  return "";
+}
+
+// Under the Yama "restricted ptrace" policy (ptrace_scope 1) only a process's ancestors may
+// attach to it, which includes cross-memory attach; peers are siblings. Allowing any process
+// of the same user is what makes single copy possible there; scopes 2 and 3 are left alone
+// and the probe at attach time falls back to the ring.
+void allow_peer_reads() {
+  std::ifstream f("/proc/sys/kernel/yama/ptrace_scope");
+  int scope = 0;
+  if (f >> scope && scope == 1) prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+}
+
+uint32_t claim_word(uint32_t gen, ClaimState state) { return gen << 3 | state; }
 
 uint64_t fnv1a(const std::string& s) {
   uint64_t h = 1469598103934665603ULL;
@@ -39,30 +72,85 @@ ShmChannel::ShmChannel(EngineSink& sink, ShmDomain& domain, int my_rank, int pee
                        size_t peer_bytes)
     : sink_(sink), domain_(domain), my_rank_(my_rank), peer_(peer), peer_base_(peer_base), peer_bytes_(peer_bytes) {
   peer_header_ = static_cast<SegmentHeader*>(peer_base);
-  uint64_t ctrl = 0, bulk = 0;
-  if (!ShmDomain::ring_offsets(peer_base, my_rank, &ctrl, &bulk))
+  uint64_t ctrl = 0, bulk = 0, claims = 0;
+  if (!ShmDomain::ring_offsets(peer_base, my_rank, &ctrl, &bulk, &claims))
     throw PeerSetupError(peer, "rank " + std::to_string(peer) + "'s segment has no ring for rank " +
                                    std::to_string(my_rank));
   out_ctrl_ = Ring(static_cast<char*>(peer_base) + ctrl);
   out_bulk_ = Ring(static_cast<char*>(peer_base) + bulk);
-  if (!ShmDomain::ring_offsets(domain.inbox_base(), peer, &ctrl, &bulk))
+  out_claims_ = reinterpret_cast<std::atomic<uint32_t>*>(static_cast<char*>(peer_base) + claims);
+  if (!ShmDomain::ring_offsets(domain.inbox_base(), peer, &ctrl, &bulk, &claims))
     throw TransportError("internal: no inbox ring for rank " + std::to_string(peer));
   in_ctrl_ = Ring(static_cast<char*>(domain.inbox_base()) + ctrl);
   in_bulk_ = Ring(static_cast<char*>(domain.inbox_base()) + bulk);
+  in_claims_ = reinterpret_cast<std::atomic<uint32_t>*>(static_cast<char*>(domain.inbox_base()) + claims);
+  claim_gen_.assign(kClaimSlots, 0);
+  for (uint32_t i = kClaimSlots; i > 0; --i) free_claims_.push_back(i - 1);
+  // Probe: read the magic number at the start of the peer's segment through its own address
+  // space. Success proves the kernel lets us read the peer's memory and that the pid names
+  // the right process (same pid namespace).
+  peer_pid_ = peer_header_->owner_pid;
+  if (!domain.options().single_copy) {
+    pull_refused_ = "single copy disabled by configuration";
+  } else {
+    uint64_t magic = 0;
+    std::string error = read_remote(peer_pid_, reinterpret_cast<uint8_t*>(&magic), peer_header_->owner_base, 8);
+    if (!error.empty())
+      pull_refused_ = "cross-memory attach to rank " + std::to_string(peer) + " (pid " + std::to_string(peer_pid_) +
+                      ") refused: " + error + " (ptrace policy, seccomp or a separate pid namespace)";
+    else if (magic != peer_header_->magic)
+      pull_refused_ = "pid " + std::to_string(peer_pid_) + " of rank " + std::to_string(peer) +
+                      " is a different process here (separate pid namespaces)";
+    else
+      can_pull_ = true;
+  }
 }
 
 ShmChannel::~ShmChannel() { munmap(peer_base_, peer_bytes_); }
 
 uint64_t ShmChannel::eager_limit() const { return out_ctrl_.slot_payload() - sizeof(CtrlHeader); }
 
-void ShmChannel::ring_peer_doorbell(bool bulk) {
+// A caller that stopped polling this recently is most likely about to poll again (it is
+// between two calls of a loop); waking a thread for it would mostly cost a context switch.
+constexpr int64_t kRecentPollNs = 50 * 1000;
+
+bool ShmChannel::peer_polled_recently() const {
+  return monotonic_ns() - peer_header_->poll_ended_ns.load(std::memory_order_relaxed) < kRecentPollNs;
+}
+
+void ShmChannel::ring_peer_doorbell(bool wake_always, bool eager) {
   peer_header_->doorbell.fetch_add(1, std::memory_order_seq_cst);
-  // A polling peer picks up control messages itself, so waking a receive thread for them
-  // only costs a syscall and a context switch. Bulk chunks are worth a wake-up even then:
-  // more threads copy out of the ring in parallel.
-  if (peer_header_->sleepers.load(std::memory_order_seq_cst) > 0 &&
-      (bulk || peer_header_->pollers.load(std::memory_order_seq_cst) == 0))
-    futex_wake(&peer_header_->doorbell, 1);
+  if (peer_header_->sleepers.load(std::memory_order_seq_cst) == 0) return;
+  // Waking a receive thread costs a system call here and, on few cores, a context switch
+  // that preempts someone. So it happens at once only for bulk chunks (more threads copy in
+  // parallel). Never while a caller polls the peer's inbox (it consumes the message itself).
+  // Messages that need no answer (`eager`) wake only a peer caller asleep in wait/wait_any:
+  // otherwise the peer's next call into the library consumes them. Handshake messages (Rts,
+  // Cts) wake at once unless the peer polled a moment ago; then the wake is owed, and
+  // nudge() delivers it if the message is still unconsumed once that moment has passed.
+  bool wake = wake_always;
+  if (!wake && peer_header_->pollers.load(std::memory_order_seq_cst) == 0) {
+    if (eager) {
+      wake = peer_header_->blocked.load(std::memory_order_seq_cst) > 0;
+    } else if (peer_polled_recently()) {
+      owed_wake_.store(true, std::memory_order_relaxed);
+    } else {
+      wake = true;
+    }
+  }
+  if (wake) futex_wake(&peer_header_->doorbell, 1);
+}
+
+void ShmChannel::nudge() {
+  if (!owed_wake_.load(std::memory_order_relaxed)) return;
+  if (!out_ctrl_.has_published() || gone_.load()) {
+    owed_wake_.store(false, std::memory_order_relaxed);  // consumed meanwhile
+    return;
+  }
+  if (peer_header_->pollers.load(std::memory_order_seq_cst) > 0 || peer_polled_recently()) return;
+  owed_wake_.store(false, std::memory_order_relaxed);
+  peer_header_->doorbell.fetch_add(1, std::memory_order_seq_cst);
+  if (peer_header_->sleepers.load(std::memory_order_seq_cst) > 0) futex_wake(&peer_header_->doorbell, 1);
 }
 
 bool ShmChannel::try_push_ctrl(const CtrlHeader& h, const void* payload) {
@@ -72,7 +160,10 @@ bool ShmChannel::try_push_ctrl(const CtrlHeader& h, const void* payload) {
   std::memcpy(slot, &h, sizeof(h));
   if (h.payload_bytes) std::memcpy(slot + sizeof(h), payload, h.payload_bytes);
   out_ctrl_.publish(pos, static_cast<uint32_t>(sizeof(h) + h.payload_bytes));
-  ring_peer_doorbell(false);
+  // Pulled and Nack only settle a request the peer already posted: like an eager message,
+  // the peer's next call consumes them.
+  const auto type = static_cast<MsgType>(h.type);
+  ring_peer_doorbell(false, type == MsgType::Eager || type == MsgType::Pulled || type == MsgType::Nack);
   return true;
 }
 
@@ -129,8 +220,66 @@ std::string ShmChannel::push_chunk(SendJob& job, uint64_t offset, uint64_t bytes
   std::memcpy(slot, &h, sizeof(h));
   std::memcpy(slot + sizeof(h), req.data + offset, bytes);
   out_bulk_.publish(pos, static_cast<uint32_t>(sizeof(h) + bytes));
-  ring_peer_doorbell(true);
+  ring_peer_doorbell(true, false);
   return "";
+}
+
+bool ShmChannel::offer_pull(Request& send, CtrlHeader& rts) {
+  // Offered whenever single copy is configured: the receiver knows whether it may read us,
+  // and answers Cts (two copies) when it may not.
+  if (!domain_.options().single_copy || free_claims_.empty() || send.nbytes == 0 || gone_.load()) return false;
+  const uint32_t slot = free_claims_.back();
+  free_claims_.pop_back();
+  const uint32_t gen = claim_gen_[slot] = (claim_gen_[slot] + 1) & 0x1fffffffu;
+  out_claims_[slot].store(claim_word(gen, kClaimOffered), std::memory_order_release);
+  send.pull_slot = static_cast<int32_t>(slot);
+  send.pull_gen = gen;
+  rts.remote_addr = reinterpret_cast<uintptr_t>(send.data);
+  rts.token = slot + 1;
+  rts.rkey = gen;
+  return true;
+}
+
+int ShmChannel::claim_pull(const CtrlHeader& rts) {
+  if (rts.token == 0 || rts.token > kClaimSlots || !can_pull_) return 0;
+  uint32_t expected = claim_word(rts.rkey, kClaimOffered);
+  return in_claims_[rts.token - 1].compare_exchange_strong(expected, claim_word(rts.rkey, kClaimPulling)) ? 1 : -1;
+}
+
+void ShmChannel::pull_over(const Request& recv) {
+  if (recv.pull_slot < 0) return;
+  in_claims_[recv.pull_slot].store(claim_word(recv.pull_gen, kClaimOver), std::memory_order_release);
+}
+
+bool ShmChannel::withdraw_pull(Request& send) {
+  if (send.pull_slot < 0) return true;
+  uint32_t expected = claim_word(send.pull_gen, kClaimOffered);
+  if (!out_claims_[send.pull_slot].compare_exchange_strong(expected, claim_word(send.pull_gen, kClaimAbandoned)))
+    return false;
+  release_pull(send);
+  return true;
+}
+
+void ShmChannel::release_pull(Request& send) {
+  if (send.pull_slot < 0) return;
+  free_claims_.push_back(static_cast<uint32_t>(send.pull_slot));
+  send.pull_slot = -1;
+}
+
+bool ShmChannel::being_pulled(const Request& send) {
+  if (send.pull_slot < 0) return false;
+  uint32_t w = out_claims_[send.pull_slot].load(std::memory_order_acquire);
+  return w == claim_word(send.pull_gen, kClaimPulling) || w == claim_word(send.pull_gen, kClaimOver);
+}
+
+std::string ShmChannel::pull(uint8_t* dst, uint64_t remote_addr, uint64_t bytes) {
+  if (gone_.load()) return "rank " + std::to_string(peer_) + " went away during the transfer";
+  std::string error = read_remote(peer_pid_, dst, remote_addr, bytes);
+  return error.empty() ? "" : "reading rank " + std::to_string(peer_) + "'s buffer failed: " + error;
+}
+
+std::string ShmChannel::copy_path() const {
+  return can_pull_ ? "single copy (cross-memory attach)" : "two copies through the ring (" + pull_refused_ + ")";
 }
 
 bool ShmChannel::inbound_pending() {
@@ -186,11 +335,13 @@ bool ShmChannel::poll_bulk() {
 ShmDomain::ShmDomain(EngineSink& sink, const ShmOptions& options, const std::string& job_id, int my_rank,
                      int world_size, const std::vector<int>& local_peers)
     : sink_(sink), options_(options), my_rank_(my_rank), world_size_(world_size) {
-  const size_t table = align_up(sizeof(uint64_t) * 2 * world_size, 64);
+  const size_t table = align_up(sizeof(uint64_t) * 3 * world_size, 64);
+  const size_t claim_bytes = align_up(sizeof(uint32_t) * kClaimSlots, 4096);
   const size_t ctrl_bytes = align_up(Ring::bytes_needed(options.ctrl_slots, options.ctrl_slot_payload), 4096);
   const size_t bulk_bytes = align_up(Ring::bytes_needed(options.bulk_slots, options.bulk_slot_payload), 4096);
   const size_t rings_start = align_up(sizeof(SegmentHeader) + table, 4096);
-  bytes_ = rings_start + local_peers.size() * (ctrl_bytes + bulk_bytes);
+  bytes_ = rings_start + local_peers.size() * (ctrl_bytes + bulk_bytes + claim_bytes);
+  if (options.single_copy) allow_peer_reads();
 
   const std::string name = shm_segment_name(job_id, my_rank);
   fd_ = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
@@ -217,18 +368,26 @@ ShmDomain::ShmDomain(EngineSink& sink, const ShmOptions& options, const std::str
   header_->owner_rank = my_rank;
   header_->world_size = world_size;
   header_->total_bytes = bytes_;
+  header_->owner_pid = static_cast<int32_t>(getpid());
+  header_->owner_base = reinterpret_cast<uintptr_t>(base_);
   header_->doorbell.store(0);
   header_->sleepers.store(0);
   header_->pollers.store(0);
+  header_->blocked.store(0);
+  header_->poll_ended_ns.store(0);
   uint64_t* offsets = ring_table(base_);
   size_t at = rings_start;
   for (int peer : local_peers) {
     Ring::initialize(static_cast<char*>(base_) + at, options.ctrl_slots, options.ctrl_slot_payload);
-    offsets[2 * peer] = at;
+    offsets[3 * peer] = at;
     at += ctrl_bytes;
     Ring::initialize(static_cast<char*>(base_) + at, options.bulk_slots, options.bulk_slot_payload);
-    offsets[2 * peer + 1] = at;
+    offsets[3 * peer + 1] = at;
     at += bulk_bytes;
+    auto* claims = reinterpret_cast<std::atomic<uint32_t>*>(static_cast<char*>(base_) + at);
+    for (uint32_t i = 0; i < kClaimSlots; ++i) new (claims + i) std::atomic<uint32_t>(kClaimFree);
+    offsets[3 * peer + 2] = at;
+    at += claim_bytes;
   }
 }
 
@@ -239,12 +398,13 @@ ShmDomain::~ShmDomain() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-bool ShmDomain::ring_offsets(void* base, int source, uint64_t* ctrl, uint64_t* bulk) {
+bool ShmDomain::ring_offsets(void* base, int source, uint64_t* ctrl, uint64_t* bulk, uint64_t* claims) {
   auto* h = static_cast<SegmentHeader*>(base);
   if (source < 0 || source >= h->world_size) return false;
-  *ctrl = ring_table(base)[2 * source];
-  *bulk = ring_table(base)[2 * source + 1];
-  return *ctrl != 0 && *bulk != 0;
+  *ctrl = ring_table(base)[3 * source];
+  *bulk = ring_table(base)[3 * source + 1];
+  *claims = ring_table(base)[3 * source + 2];
+  return *ctrl != 0 && *bulk != 0 && *claims != 0;
 }
 
 ShmChannel* ShmDomain::attach_peer(int peer, int fd) {
@@ -289,6 +449,10 @@ void ShmDomain::stop() {
   threads_.clear();
 }
 
+void ShmDomain::nudge_peers() {
+  for (auto& ch : channels_) ch->nudge();
+}
+
 bool ShmDomain::progress_once() {
   bool did = false;
   for (auto& ch : channels_) {
@@ -299,9 +463,17 @@ bool ShmDomain::progress_once() {
 }
 
 void ShmDomain::end_polling() {
+  header_->poll_ended_ns.store(monotonic_ns(), std::memory_order_relaxed);
   header_->pollers.fetch_sub(1, std::memory_order_seq_cst);
   // A producer that saw us polling did not ring; its message was published before that, so
   // one more pass after leaving catches it.
+  while (progress_once()) {
+  }
+}
+
+void ShmDomain::begin_blocking() {
+  header_->blocked.fetch_add(1, std::memory_order_seq_cst);
+  // A producer that published before seeing us blocked did not wake anyone: consume it now.
   while (progress_once()) {
   }
 }
@@ -331,7 +503,9 @@ void ShmDomain::recv_body() {
       idle_since = Clock::now();
       continue;
     }
-    if (Clock::now() - idle_since < spin) {
+    // A caller busy-polling the inbox consumes control messages itself (producers then skip
+    // the doorbell): spinning beside it only takes a core from it or from the peer.
+    if (Clock::now() - idle_since < spin && header_->pollers.load(std::memory_order_relaxed) == 0) {
       cpu_relax();
       continue;
     }

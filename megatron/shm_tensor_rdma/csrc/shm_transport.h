@@ -6,6 +6,13 @@
 // those threads. The segment is created exclusively under a job- and rank-scoped name and
 // unlinked at once; peers receive its file descriptor over a Unix socket, so no name is
 // left in /dev/shm whatever happens to any process afterwards.
+//
+// Large messages move with one copy where the kernel allows cross-memory attach
+// (process_vm_readv): the sender offers its buffer's address in the Rts and the receiver reads
+// it straight into the receive buffer. A claim word per offer, in the receiver's segment,
+// settles the race between the receiver starting to read and the sender withdrawing (timeout):
+// whoever moves it first from "offered" wins. Where cross-memory attach is refused (ptrace
+// policy, seccomp), the receiver answers Cts and the bytes go through the bulk ring.
 #pragma once
 
 #include <atomic>
@@ -27,7 +34,13 @@ struct ShmOptions {
   uint32_t bulk_slots = 16;
   uint32_t bulk_slot_payload = 256 << 10;  // header + one Data chunk
   int spin_us = 5;  // receive threads busy-poll this long before sleeping on the doorbell
+  bool single_copy = true;  // read large messages out of the sender's memory where permitted
 };
+
+// Claim words for single-copy offers: generation << 3 | state. The generation makes an Rts
+// that outlived its offer (withdrawn, slot reused) fail to claim.
+constexpr uint32_t kClaimSlots = 512;
+enum ClaimState : uint32_t { kClaimFree = 0, kClaimOffered = 1, kClaimPulling = 2, kClaimAbandoned = 3, kClaimOver = 4 };
 
 struct alignas(64) SegmentHeader {
   uint64_t magic;
@@ -36,12 +49,17 @@ struct alignas(64) SegmentHeader {
   int32_t world_size;
   uint32_t reserved;
   uint64_t total_bytes;
-  char pad0[32];
+  int32_t owner_pid;    // for cross-memory attach by peers
+  uint32_t reserved2;
+  uint64_t owner_base;  // this segment's address in its owner, to probe cross-memory attach
+  char pad0[16];
   std::atomic<uint32_t> doorbell;  // bumped by every producer after publishing
   std::atomic<uint32_t> sleepers;  // receive threads asleep on the doorbell
   std::atomic<uint32_t> pollers;   // callers busy-polling the inbox: no wake-up needed
-  char pad1[52];
-  // followed by world_size entries of {ctrl ring offset, bulk ring offset}; 0 = no ring
+  std::atomic<uint32_t> blocked;   // callers asleep in wait/wait_any: every message needs a wake-up
+  std::atomic<int64_t> poll_ended_ns;  // CLOCK_MONOTONIC when a caller last stopped polling
+  char pad1[40];
+  // followed by world_size entries of {ctrl ring, bulk ring, claims} offsets; 0 = no ring
 };
 
 class ShmDomain;
@@ -58,7 +76,19 @@ class ShmChannel : public Channel {
   std::string push_chunk(SendJob& job, uint64_t offset, uint64_t bytes) override;
   bool inbound_pending() override;
   bool flush() override;
+  // Wakes the peer's receive thread for a control message whose wake-up was deferred, once
+  // the peer has stopped polling for a while. Cheap when nothing is owed.
+  void nudge() override;
+  bool owes_wake() const override { return owed_wake_.load(std::memory_order_relaxed); }
   void peer_gone() override;
+  bool offer_pull(Request& send, CtrlHeader& rts) override;
+  int claim_pull(const CtrlHeader& rts) override;
+  void pull_over(const Request& recv) override;
+  bool withdraw_pull(Request& send) override;
+  void release_pull(Request& send) override;
+  bool being_pulled(const Request& send) override;
+  std::string pull(uint8_t* dst, uint64_t remote_addr, uint64_t bytes) override;
+  std::string copy_path() const override;
 
   // Receive-thread side: consume messages this peer published into our inbox.
   bool poll_ctrl();
@@ -66,7 +96,9 @@ class ShmChannel : public Channel {
 
  private:
   bool try_push_ctrl(const CtrlHeader& h, const void* payload);
-  void ring_peer_doorbell(bool bulk);
+  void ring_peer_doorbell(bool wake_always, bool eager);
+  bool peer_polled_recently() const;
+  std::atomic<bool> owed_wake_{false};
 
   EngineSink& sink_;
   ShmDomain& domain_;
@@ -77,6 +109,13 @@ class ShmChannel : public Channel {
   SegmentHeader* peer_header_;
   Ring out_ctrl_, out_bulk_;  // in the peer's segment: we produce
   Ring in_ctrl_, in_bulk_;    // in our segment: the peer produces
+  std::atomic<uint32_t>* out_claims_ = nullptr;  // in the peer's segment: our offers to it
+  std::atomic<uint32_t>* in_claims_ = nullptr;   // in our segment: its offers to us
+  std::vector<uint32_t> free_claims_;            // engine mutex
+  std::vector<uint32_t> claim_gen_;              // engine mutex
+  int peer_pid_ = 0;
+  bool can_pull_ = false;      // we may read the peer's memory (probed at attach)
+  std::string pull_refused_;   // why not, when not
   std::atomic<bool> gone_{false};
   std::mutex produce_mu_;  // keeps control messages in posting order
   std::deque<std::vector<uint8_t>> queued_;  // control messages that found the ring full
@@ -102,12 +141,20 @@ class ShmDomain {
   // One pass over all inbound rings; any thread may call it (waiting callers do, so a reply
   // is consumed without waking a receive thread first). True when something was consumed.
   bool progress_once();
+  // Delivers the wake-ups our channels owe their peers (see ShmChannel::nudge).
+  void nudge_peers();
   // Brackets a caller's busy-polling. While one polls, producers skip the doorbell wake-up
   // (a syscall, and on few cores a context switch that preempts the poller).
   void begin_polling() { header_->pollers.fetch_add(1, std::memory_order_seq_cst); }
   void end_polling();
+  // Brackets a caller's sleep in wait/wait_any: until it ends, eager messages wake a receive
+  // thread too (otherwise they wait in the ring for the receiver's next call).
+  void begin_blocking();
+  void end_blocking() { header_->blocked.fetch_sub(1, std::memory_order_seq_cst); }
   // Ring offsets inside a segment for messages produced by `source`.
-  static bool ring_offsets(void* base, int source, uint64_t* ctrl, uint64_t* bulk);
+  static bool ring_offsets(void* base, int source, uint64_t* ctrl, uint64_t* bulk, uint64_t* claims);
+  // True when no caller busy-polls our inbox (receive threads then do the work).
+  bool unpolled() const { return header_->pollers.load(std::memory_order_relaxed) == 0; }
   void* inbox_base() const { return base_; }
 
  private:

@@ -38,6 +38,13 @@ struct Request {
   uint64_t remote_id = 0;   // the peer's request id, once known
   uint64_t bytes_done = 0;
   void* transport_state = nullptr;  // verbs: memory registration of `data`
+  // Shared-memory single copy. Send: the claim offered with the Rts (-1: none), and whether a
+  // failed send waits for the peer to finish reading before it is reported. Receive: where
+  // the sender's bytes are and which claim to mark finished.
+  int32_t pull_slot = -1;
+  uint32_t pull_gen = 0;
+  bool pull_hold = false;
+  uint64_t pull_addr = 0;
 };
 
 // A matched send being streamed in chunks; shared by the threads that move its chunks.
@@ -47,6 +54,10 @@ struct SendJob {
   uint64_t recv_id = 0;
   uint64_t next_offset = 0;
   uint64_t chunk = 0;
+  // A receive that reads the sender's memory (single copy) instead of a send that copies
+  // into the peer's ring; `remote_addr` is the sender's buffer.
+  bool pull = false;
+  uint64_t remote_addr = 0;
 };
 
 // Where an incoming Data chunk goes: null `dst` means drop it (the receive failed meanwhile).
@@ -98,6 +109,29 @@ class Channel {
   virtual bool flush() { return false; }
   // The peer went away: wake our threads that wait on it.
   virtual void peer_gone() {}
+  // Delivers a deferred wake-up, if one is owed and due (shared memory).
+  virtual void nudge() {}
+  virtual bool owes_wake() const { return false; }
+
+  // ---- single copy (shared memory): the receiver reads the sender's buffer directly. All of
+  // these are called with the engine mutex held, except pull().
+  // Sender: offers `send`'s buffer in its Rts. False when this channel cannot.
+  virtual bool offer_pull(Request&, CtrlHeader&) { return false; }
+  // Receiver, for an Rts: 1 when it may read the sender's buffer now (the claim is taken),
+  // 0 when the Rts offers nothing usable (answer Cts), -1 when the sender withdrew the offer.
+  virtual int claim_pull(const CtrlHeader&) { return 0; }
+  // Receiver: the read is over (finished or failed); the sender's buffer is no longer touched.
+  virtual void pull_over(const Request&) {}
+  // Sender: withdraws an offer before the receiver claims it. False while it is being read.
+  virtual bool withdraw_pull(Request&) { return true; }
+  // Sender: the receiver answered (Pulled, Cts or Nack); the offer's claim is free again.
+  virtual void release_pull(Request&) {}
+  // Sender: true while the receiver reads (or has read) the offered buffer.
+  virtual bool being_pulled(const Request&) { return false; }
+  // Receiver, any thread, without the mutex: copies `bytes` from the sender's `remote_addr`.
+  virtual std::string pull(uint8_t*, uint64_t, uint64_t) { return "transport cannot read the peer's memory"; }
+  // How large messages move on this channel, for diagnostics.
+  virtual std::string copy_path() const { return "copy"; }
 };
 
 }  // namespace strdma
