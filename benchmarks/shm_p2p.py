@@ -1,18 +1,30 @@
 """shm_tensor_rdma point-to-point benchmark: bandwidth and latency between two local ranks.
 
-Prints, all measured in one run: bandwidth of a windowed one-way stream for 4 KiB .. 64 MiB
-against a single-thread memcpy of the same size (ratio) and against gloo send/recv over
-loopback (ratio), then ping-pong latency of small messages against gloo.
+Everything below is measured in one invocation, so the columns compare like with like:
 
-    python benchmarks/shm_p2p.py                 # shared memory (the default transport)
-    python benchmarks/shm_p2p.py --transport tcp # our TCP transport instead
+* bandwidth of a windowed one-way stream, 4 KiB .. 64 MiB, by
+  - the library driven from C++ (`Engine.stream`: the same loop with no Python in it),
+  - the library driven from Python (`Endpoint.isend`/`irecv` handles, what a user's loop gets),
+  - Open MPI over its shared-memory path (`--compare-mpi`; benchmarks/mpi_reference.py),
+  - a single-thread memcpy of the same size, and gloo send/recv over loopback;
+* one-way latency (half a ping-pong) of 8 B, 256 B and 4 KiB by the same parties, the Python
+  side both with the blocking `Endpoint.send`/`recv` and with handles.
+
+With --repeat N the whole set is measured N times, alternating ours and Open MPI's runs, and
+each cell is the median.
+
+    python benchmarks/shm_p2p.py                           # shared memory, ours vs memcpy and gloo
+    python benchmarks/shm_p2p.py --compare-mpi --repeat 3  # plus Open MPI (needs mpicc, mpirun)
+    python benchmarks/shm_p2p.py --transport tcp           # our TCP transport instead
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import time
 from collections import deque
@@ -34,7 +46,7 @@ def window(size: int) -> int:
 
 
 class Pair:
-    """The two ways of moving a tensor that are compared: our endpoint and gloo."""
+    """The two ways of moving a tensor from Python that are compared: our endpoint and gloo."""
 
     def __init__(self, endpoint, dist) -> None:
         self.ep, self.dist = endpoint, dist
@@ -80,21 +92,32 @@ def stream(pair: Pair, kind: str, rank: int, size: int, iters: int, tag: int) ->
 
 
 def ping_pong(pair: Pair, kind: str, rank: int, size: int, iters: int, tag: int) -> float:
-    """Seconds per one-way message (half a round trip), measured on rank 0."""
+    """Seconds per one-way message (half a round trip), measured on rank 0. `kind`: "ours"
+    (handles), "blocking" (Endpoint.send/recv) or "gloo"."""
     import torch
 
     out, back = torch.ones(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
+    ep = pair.ep
     pair.dist.barrier()
     for warm in (True, False):
         count = max(10, iters // 10) if warm else iters
         started = time.perf_counter()
-        for _ in range(count):
-            if rank == 0:
-                pair.send(kind, out, 1, tag).wait()
-                pair.recv(kind, back, 1, tag).wait()
-            else:
-                pair.recv(kind, back, 0, tag).wait()
-                pair.send(kind, out, 0, tag).wait()
+        if kind == "blocking":
+            for _ in range(count):
+                if rank == 0:
+                    ep.send(out, 1, tag)
+                    ep.recv(back, 1, tag)
+                else:
+                    ep.recv(back, 0, tag)
+                    ep.send(out, 0, tag)
+        else:
+            for _ in range(count):
+                if rank == 0:
+                    pair.send(kind, out, 1, tag).wait()
+                    pair.recv(kind, back, 1, tag).wait()
+                else:
+                    pair.recv(kind, back, 0, tag).wait()
+                    pair.send(kind, out, 0, tag).wait()
         elapsed = time.perf_counter() - started
     return elapsed / (2 * iters)
 
@@ -127,47 +150,42 @@ def worker(rank: int, port: int, args, results) -> None:
     transports = ("shm", "tcp") if args.transport == "shm" else ("tcp",)
     threads = args.threads or None
     config = EndpointConfig(transports=transports, send_threads=threads, recv_threads=threads,
-                            workload_bytes=args.workload_kib * KIB, spin_us=args.spin_us)
-    ep = Endpoint.from_process_group(job_id=f"bench-{os.getppid()}", host="127.0.0.1", config=config)
+                            workload_bytes=args.workload_kib * KIB, spin_us=args.spin_us,
+                            single_copy=not args.two_copies)
+    ep = Endpoint.from_process_group(job_id=f"bench-{os.getppid()}-{port}", host="127.0.0.1", config=config)
+    engine, peer = ep._engine, 1 - rank
     pair = Pair(ep, dist)
     rows, latency = [], []
     budget = args.budget_mib * MIB
-    for index, size in enumerate(SIZES):
-        iters = iterations(size, budget)
-        stream(pair, "ours", rank, size, max(2, iters // 8), 10 * index)  # warm-up: fault in the rings
-        ours = stream(pair, "ours", rank, size, iters, 10 * index + 2)
-        gloo = stream(pair, "gloo", rank, size, iters, 10 * index + 4)
+    for index, size in enumerate(s for s in SIZES if s <= args.max_size_mib * MIB):
+        iters, w, tag = iterations(size, budget), window(size), 100 * index
+        engine.stream(peer, size, max(2, iters // 8), w, rank == 0, tag)  # warm-up: fault in buffers, rings
+        dist.barrier()
+        cpp = engine.stream(peer, size, iters, w, rank == 0, tag + 10)
+        stream(pair, "ours", rank, size, max(2, iters // 8), tag + 20)
+        ours = stream(pair, "ours", rank, size, iters, tag + 30)
+        gloo = stream(pair, "gloo", rank, size, iters, tag + 40)
         hot = memcpy_seconds(size, iters, 1) if rank == 0 else 0.0
-        same_set = memcpy_seconds(size, iters, window(size)) if rank == 0 else 0.0
-        rows.append((size, iters, ours / iters, gloo / iters, hot, same_set))
+        same_set = memcpy_seconds(size, iters, w) if rank == 0 else 0.0
+        rows.append(dict(size=size, iters=iters, window=w, cpp=cpp / iters, ours=ours / iters, gloo=gloo / iters,
+                         memcpy_hot=hot, memcpy_set=same_set))
     for index, size in enumerate(LATENCY_SIZES):
-        ours = ping_pong(pair, "ours", rank, size, args.latency_iters, 1000 + 10 * index)
-        gloo = ping_pong(pair, "gloo", rank, size, args.latency_iters, 1000 + 10 * index + 2)
-        latency.append((size, ours, gloo))
+        tag = 5000 + 100 * index
+        dist.barrier()
+        engine.ping_pong(peer, size, max(10, args.latency_iters // 10), rank == 0, tag)
+        cpp = engine.ping_pong(peer, size, args.latency_iters, rank == 0, tag + 10)
+        blocking = ping_pong(pair, "blocking", rank, size, args.latency_iters, tag + 20)
+        ours = ping_pong(pair, "ours", rank, size, args.latency_iters, tag + 30)
+        gloo = ping_pong(pair, "gloo", rank, size, args.latency_iters, tag + 40)
+        latency.append(dict(size=size, cpp=cpp, blocking=blocking, ours=ours, gloo=gloo))
     if rank == 0:
-        results.put((rows, latency, ep.transport(1), config.resolved_threads()[0]))
+        results.put(dict(stream=rows, latency=latency, transport=ep.transport(1), copy_path=ep.copy_path(1),
+                         threads=config.resolved_threads()[0]))
     ep.close()
     dist.destroy_process_group()
 
 
-def human(size: int) -> str:
-    return f"{size // MIB} MiB" if size >= MIB else (f"{size // KIB} KiB" if size >= KIB else f"{size} B")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--transport", choices=["shm", "tcp"], default="shm",
-                        help="shm: shared memory (TCP as fallback); tcp: the TCP transport only (default %(default)s)")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="send and receive threads per rank (default: chosen by CPU count)")
-    parser.add_argument("--workload-kib", type=int, default=256, help="chunk size (KiB)")
-    parser.add_argument("--spin-us", type=int, default=50,
-                        help="receive threads poll this many microseconds before sleeping (default %(default)s)")
-    parser.add_argument("--budget-mib", type=int, default=1024, help="bytes streamed per size and transport")
-    parser.add_argument("--latency-iters", type=int, default=2000,
-                        help="ping-pong round trips per latency message size (default %(default)s)")
-    args = parser.parse_args()
-
+def measure_ours(args) -> dict:
     import socket
 
     with socket.socket() as probe:
@@ -178,26 +196,127 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(rank, port, args, results)) for rank in range(2)]
     for p in procs:
         p.start()
-    rows, latency, transport, threads = results.get(timeout=900)
-    for p in procs:
-        p.join(60)
+    try:
+        return results.get(timeout=1800)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+
+
+def measure_mpi(args, exe) -> tuple[dict | None, str]:
+    from mpi_reference import run
+
+    budget = args.budget_mib * MIB
+    stream_plan = [(s, iterations(s, budget), window(s)) for s in SIZES if s <= args.max_size_mib * MIB]
+    return run(exe, stream_plan, [(s, args.latency_iters) for s in LATENCY_SIZES])
+
+
+def median_rows(runs: list[list[dict]], key: str) -> list[dict]:
+    """Cell-wise median over runs of rows matched by key."""
+    out = []
+    for i, first in enumerate(runs[0]):
+        row = {}
+        for field, value in first.items():
+            values = [run[i][field] for run in runs]
+            row[field] = statistics.median(values) if isinstance(value, float) else value
+        out.append(row)
+    return out
+
+
+def human(size: int) -> str:
+    return f"{size // MIB} MiB" if size >= MIB else (f"{size // KIB} KiB" if size >= KIB else f"{size} B")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--transport", choices=["shm", "tcp"], default="shm",
+                        help="shm: shared memory (TCP as fallback); tcp: the TCP transport only (default %(default)s)")
+    parser.add_argument("--compare-mpi", action="store_true",
+                        help="also measure Open MPI's shared-memory path (builds benchmarks/mpi_p2p.c with mpicc; "
+                             "the column is skipped, with the reason, where Open MPI is not installed)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="measure everything this many times (ours and Open MPI alternating); cells are medians")
+    parser.add_argument("--two-copies", action="store_true",
+                        help="turn single copy (cross-memory attach) off: large messages go through the ring")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="send and receive threads per rank (default: chosen by CPU count)")
+    parser.add_argument("--workload-kib", type=int, default=256, help="chunk size (KiB)")
+    parser.add_argument("--spin-us", type=int, default=50,
+                        help="a waiting caller polls this many microseconds before sleeping (default %(default)s)")
+    parser.add_argument("--budget-mib", type=int, default=1024, help="bytes streamed per size and party")
+    parser.add_argument("--max-size-mib", type=int, default=64, help="largest streamed message (MiB)")
+    parser.add_argument("--latency-iters", type=int, default=2000,
+                        help="ping-pong round trips per latency message size (default %(default)s)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every run's figures to this file")
+    args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
+
+    exe, mpi_skip = None, "not requested (--compare-mpi)"
+    if args.compare_mpi:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from mpi_reference import find_or_build
+
+        exe, mpi_skip = find_or_build()
+    ours_runs, mpi_runs = [], []
+    for r in range(args.repeat):
+        print(f"[shm_p2p] run {r + 1}/{args.repeat}: ours ...", file=sys.stderr, flush=True)
+        ours_runs.append(measure_ours(args))
+        if exe is not None:
+            print(f"[shm_p2p] run {r + 1}/{args.repeat}: Open MPI ...", file=sys.stderr, flush=True)
+            result, why = measure_mpi(args, exe)
+            if result is None:
+                exe, mpi_skip = None, why
+            else:
+                mpi_runs.append(result)
+    if args.json:
+        args.json.write_text(json.dumps(dict(ours=ours_runs, mpi=mpi_runs, args=vars(args)), default=str, indent=1))
+    first = ours_runs[0]
+    rows = median_rows([o["stream"] for o in ours_runs], "size")
+    latency = median_rows([o["latency"] for o in ours_runs], "size")
+    mpi_bw = {row["size"]: statistics.median(m["stream"][i]["seconds_per_message"] for m in mpi_runs)
+              for i, row in enumerate(mpi_runs[0]["stream"])} if mpi_runs else {}
+    mpi_lat = {row["size"]: statistics.median(m["latency"][i]["one_way_seconds"] for m in mpi_runs)
+               for i, row in enumerate(mpi_runs[0]["latency"])} if mpi_runs else {}
 
     gb = 1e9
-    print(f"shm_tensor_rdma P2P, 2 ranks on one host, transport={transport}, threads={threads}, "
-          f"workload={args.workload_kib} KiB, cpus={os.cpu_count()}")
+    print(f"shm_tensor_rdma P2P, 2 ranks on one host, transport={first['transport']} ({first['copy_path']}), "
+          f"threads={first['threads']}, workload={args.workload_kib} KiB, cpus={os.cpu_count()}, "
+          f"median of {args.repeat} run(s)")
+    if mpi_runs:
+        m = mpi_runs[0]
+        print(f"Open MPI: {m['mpi_version']}, pml ob1 + btl vader, single copy: {m['single_copy']}")
+    else:
+        print(f"Open MPI: column skipped: {mpi_skip}")
     print()
-    print("memcpy: single-thread memmove of the same size; 'hot' reuses one buffer pair (cache-resident")
-    print("up to L3 size), 'set' cycles through as many buffers as the stream keeps in flight.")
-    print(f"{'size':>8} {'iters':>6} {'ours GB/s':>10} {'memcpy hot':>11} {'ours/hot':>9} {'memcpy set':>11} "
-          f"{'ours/set':>9} {'gloo GB/s':>10} {'ours/gloo':>10}")
-    for size, iters, ours, gloo, hot, same_set in rows:
-        print(f"{human(size):>8} {iters:>6} {size / ours / gb:>10.2f} {size / hot / gb:>11.2f} {hot / ours:>9.2f} "
-              f"{size / same_set / gb:>11.2f} {same_set / ours:>9.2f} {size / gloo / gb:>10.2f} "
-              f"{gloo / ours:>10.2f}")
+    print("GB/s of a windowed stream. C++: the library's own loop (Engine.stream); Python: Endpoint handles.")
+    print("memcpy: single-thread memmove cycling through as many buffers as the stream keeps in flight.")
+    mpi_head = f" {'Open MPI':>9} {'C++/MPI':>8} {'Py/MPI':>7}" if mpi_runs else ""
+    print(f"{'size':>8} {'C++':>7} {'Python':>7}{mpi_head} {'memcpy':>7} {'C++/memcpy':>10} {'gloo':>6} "
+          f"{'Py/gloo':>8}")
+    for row in rows:
+        size = row["size"]
+        cells = f"{human(size):>8} {size / row['cpp'] / gb:>7.2f} {size / row['ours'] / gb:>7.2f}"
+        if mpi_runs:
+            mpi = mpi_bw[size]
+            cells += f" {size / mpi / gb:>9.2f} {mpi / row['cpp']:>8.2f} {mpi / row['ours']:>7.2f}"
+        cells += (f" {size / row['memcpy_set'] / gb:>7.2f} {row['memcpy_set'] / row['cpp']:>10.2f} "
+                  f"{size / row['gloo'] / gb:>6.2f} {row['gloo'] / row['ours']:>8.2f}")
+        print(cells)
     print()
-    print(f"{'size':>8} {'ours us':>10} {'gloo us':>10} {'gloo/ours':>10}   (one-way latency, half a ping-pong)")
-    for size, ours, gloo in latency:
-        print(f"{human(size):>8} {ours * 1e6:>10.1f} {gloo * 1e6:>10.1f} {gloo / ours:>10.2f}")
+    print("One-way latency in us (half a ping-pong). C++: Engine.ping_pong; send/recv: the blocking Python")
+    print("calls; handles: isend/irecv + wait.")
+    mpi_head = f" {'Open MPI':>9}" if mpi_runs else ""
+    print(f"{'size':>8} {'C++':>7} {'send/recv':>10} {'handles':>8}{mpi_head} {'gloo':>7} {'gloo/handles':>13}")
+    for row in latency:
+        size = row["size"]
+        cells = f"{human(size):>8} {row['cpp'] * 1e6:>7.2f} {row['blocking'] * 1e6:>10.2f} {row['ours'] * 1e6:>8.2f}"
+        if mpi_runs:
+            cells += f" {mpi_lat[size] * 1e6:>9.2f}"
+        cells += f" {row['gloo'] * 1e6:>7.1f} {row['gloo'] / row['ours']:>13.1f}"
+        print(cells)
 
 
 if __name__ == "__main__":

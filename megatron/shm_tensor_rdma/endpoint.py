@@ -375,6 +375,15 @@ class Endpoint:
         self._check_open("copy_path")
         return self._engine.copy_path(_check_int(peer, "peer"))
 
+    def stats(self) -> dict[str, int]:
+        """Counters since the endpoint was built: transfers (sends and receives) finished, by how
+        their bytes moved -- "eager" (whole with the header), "copied" (by the transport: the
+        shared-memory ring, TCP, RDMA), "read" (single copy, the receiver read the sender's
+        buffer), "written" (single copy, the sender wrote the receiver's buffer) -- and
+        "wakeups", the times this endpoint woke a peer's receive thread (a system call each)."""
+        self._check_open("stats")
+        return dict(self._engine.stats())
+
     def _apply(self, finished: list[tuple[int, int, int, str]]) -> list[Handle]:
         out = []
         for request_id, state, kind, message in finished:

@@ -298,8 +298,70 @@ def scenario_exchange(ep: Endpoint, args, checks: Checks) -> None:
     barrier(ep, 99)
 
 
+def scenario_copy_paths(ep: Endpoint, args, checks: Checks) -> None:
+    """How large messages move (single copy, or two through the ring) and that every way is
+    bit-exact; the ping-pong fast path wakes no receive thread."""
+    peer = 1 - ep.rank
+    checks.run("copy_path", lambda: ep.copy_path(peer))
+    specs = [((64 << 10,), torch.uint8), ((300, 257), torch.bfloat16), ((3 << 20,), torch.float32),
+             ((1 << 18,), torch.int64), ((5000,), torch.complex64), ((700, 700), torch.float16)]
+    before = ep.stats()
+
+    def backlog():
+        # Rank 0 posts every send at once; rank 1 posts its receives only once all of them
+        # arrived unmatched, so each receive but the last finds more messages waiting.
+        if ep.rank == 0:
+            sends = [ep.isend(pattern(500 + i, s, d), 1, 200 + i) for i, (s, d) in enumerate(specs)]
+            ep.wait_all(sends, timeout=30)
+            return f"{len(sends)} sent"
+        time.sleep(0.5)
+        recvs = [ep.irecv((s, d), 0, 200 + i) for i, (s, d) in enumerate(specs)]
+        for i, ((s, d), h) in enumerate(zip(specs, recvs)):
+            assert same_bits(h.wait(30), pattern(500 + i, s, d)), f"spec {i} differs"
+        return f"{len(recvs)} received bit-exact"
+    checks.run("backlog", backlog)
+
+    def stream():
+        # A windowed stream both ways at once, as a pipeline stage sees it.
+        count, window = 40, 8
+        sends, recvs, got = [], [], 0
+        for i in range(count):
+            s, d = specs[i % len(specs)]
+            sends.append(ep.isend(pattern(ep.rank * 1000 + i, s, d), peer, 300 + i))
+            recvs.append(ep.irecv((s, d), peer, 300 + i))
+            if len(recvs) >= window:
+                h = recvs.pop(0)
+                j = got
+                got += 1
+                assert same_bits(h.wait(30), pattern(peer * 1000 + j, *specs[j % len(specs)])), f"message {j}"
+        for h in recvs:
+            assert same_bits(h.wait(30), pattern(peer * 1000 + got, *specs[got % len(specs)])), f"message {got}"
+            got += 1
+        ep.wait_all(sends, timeout=30)
+        return f"{got} received bit-exact"
+    checks.run("stream", stream)
+    barrier(ep, 98)
+    after = ep.stats()
+    checks.run("paths", lambda: {k: after[k] - before[k] for k in after})
+
+    def ping_pong():
+        # Blocking send/recv of small messages: both sides poll, so no receive thread is woken.
+        out, back = torch.ones(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+        start, rounds = ep.stats()["wakeups"], 2000
+        for _ in range(rounds):
+            if ep.rank == 0:
+                ep.send(out, 1, 400)
+                ep.recv(back, 1, 400)
+            else:
+                ep.recv(back, 0, 400)
+                ep.send(out, 0, 400)
+        return {"rounds": rounds, "wakeups": ep.stats()["wakeups"] - start}
+    checks.run("ping_pong", ping_pong)
+    barrier(ep, 97)
+
+
 SCENARIOS = {"basics": scenario_basics, "mesh": scenario_mesh, "dead_peer": scenario_dead_peer,
-             "exchange": scenario_exchange}
+             "exchange": scenario_exchange, "copy_paths": scenario_copy_paths}
 
 
 def main() -> None:
@@ -314,8 +376,10 @@ def main() -> None:
     parser.add_argument("--addresses")
     parser.add_argument("--count", type=int, default=1000)
     parser.add_argument("--hosts", type=int, default=0, help="pretend the ranks are spread over this many hosts")
+    parser.add_argument("--two-copies", action="store_true", help="single copy off (EndpointConfig.single_copy)")
     args = parser.parse_args()
-    config = EndpointConfig(transports=tuple(args.transports.split(",")), transfer_timeout=60, connect_timeout=30)
+    config = EndpointConfig(transports=tuple(args.transports.split(",")), transfer_timeout=60, connect_timeout=30,
+                            single_copy=not args.two_copies)
     if args.hosts:
         # Consecutive ranks share a host key, so they use shared memory; the rest use TCP.
         config.host_key = f"{args.job_id}-host{args.rank * args.hosts // args.world_size}"

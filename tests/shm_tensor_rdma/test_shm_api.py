@@ -18,6 +18,8 @@ from megatron.shm_tensor_rdma import (
     EndpointClosedError,
     EndpointConfig,
     PeerError,
+    TensorMismatchError,
+    TransferTimeout,
     _C,
     make_tag,
     split_tag,
@@ -57,6 +59,10 @@ def test_bad_peer_tag_tensor_and_timeout_arguments_raise_value_error(single):
         (lambda: single.isend(t, 0, 1, timeout=-1), "timeout must be a positive number"),
         (lambda: single.isend(torch.zeros([1] * 33), 0, 1), "more than 32 dimensions"),
         (lambda: single.isend(torch.zeros(4).to_sparse(), 0, 1), "only dense"),
+        (lambda: single.send(t, 0, 1), "own rank"),
+        (lambda: single.send(t, 0, 2**64), "tag must fit in a signed 64-bit integer"),
+        (lambda: single.recv(t, 1.5, 1), "src must be an int"),
+        (lambda: single.recv(t, 0, 1, timeout=0), "timeout must be a positive number"),
     ]
     for call, expected in cases:
         with pytest.raises(ValueError) as info:
@@ -223,3 +229,52 @@ def test_endpoint_serves_as_the_pipeline_executors_transport(pair):
     assert all(torch.equal(x, y) for x, y in zip(sent, got))
     sender.close()
     assert a.in_flight == 0 and receiver.endpoint is b
+
+
+def test_blocking_send_and_recv_move_tensors_and_raise_the_transfers_errors(pair):
+    a, b = pair
+    for shape, dtype in [((3,), torch.int64), ((513, 1031), torch.bfloat16)]:  # eager, then single copy
+        sent = torch.arange(int(torch.tensor(shape).prod())).reshape(shape).to(dtype)
+        sender = threading.Thread(target=a.send, args=(sent, 1, 5))
+        sender.start()
+        got = b.recv(torch.empty(shape, dtype=dtype), 0, 5)
+        sender.join(10)
+        assert torch.equal(got, sent)
+    with pytest.raises(TransferTimeout) as info:
+        b.recv(((4,), torch.float32), 0, 7, timeout=0.2)
+    assert "rank 0 had not sent a matching message" in str(info.value) and info.value.peer_rank == 0
+    errors: list = []
+    sender = threading.Thread(target=lambda: errors.extend(_raised(a.send, torch.zeros(100_000), 1, 8)))
+    sender.start()
+    with pytest.raises(TensorMismatchError) as info:
+        b.recv(((100_000,), torch.float64), 0, 8)
+    sender.join(10)
+    assert "float64" in str(info.value) and "float32" in str(info.value)
+    assert len(errors) == 1 and "rank 1 refused the message" in str(errors[0])
+
+
+def _raised(fn, *args) -> list:
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        return [e]
+    return []
+
+
+def test_copy_path_and_stats_say_how_large_messages_moved():
+    for single_copy, expected in [(True, "single copy (cross-memory attach)"),
+                                  (False, "two copies through the ring (single copy disabled by configuration)")]:
+        a, b = make_pair(config=EndpointConfig(single_copy=single_copy))
+        try:
+            assert a.copy_path(1) == b.copy_path(0) == expected
+            recv = b.irecv(((1 << 20,), torch.float32), 0, 1)
+            a.isend(torch.full((1 << 20,), 3.0), 1, 1).wait(10)
+            a.isend(torch.ones(4), 1, 2).wait(10)
+            assert bool((recv.wait(10) == 3.0).all()) and b.recv(((4,), torch.float32), 0, 2).sum().item() == 4
+            sent, received = a.stats(), b.stats()
+            large = "read" if single_copy else "copied"
+            assert sent[large] == received[large] == 1 and sent["eager"] == received["eager"] == 1, (sent, received)
+            assert set(sent) == {"eager", "copied", "read", "written", "wakeups"}
+        finally:
+            a.close()
+            b.close()

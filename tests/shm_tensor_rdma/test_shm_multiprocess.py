@@ -6,7 +6,9 @@ recorded are asserted one test at a time, so a failure names the behaviour that 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import time
 
 import pytest
@@ -92,3 +94,66 @@ def test_kill_9_of_a_rank_raises_peer_error_and_leaves_no_shm(tmp_path, transpor
     assert all("rank 1" in message for message in detail["errors"]), detail
     assert run.returncodes == [0, -signal.SIGKILL], run.describe()
     assert shm_names_of(job_id) == []
+
+
+def _pid_namespaces_work() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "--pid", "--fork", "true"], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module", params=["single-copy", "two-copies", "pid-namespace"])
+def copy_paths(request, tmp_path_factory):
+    """Large messages between two processes: with single copy (the default here), with it
+    turned off, and with the kernel refusing it (rank 1 in its own pid namespace, as in a
+    container of its own: its pid means nothing to rank 0)."""
+    kwargs = {}
+    if request.param == "two-copies":
+        kwargs["extra"] = ["--two-copies"]
+    if request.param == "pid-namespace":
+        if not _pid_namespaces_work():
+            pytest.skip("unshare --pid does not work here (needs root or user namespaces)")
+        kwargs["prefixes"] = [[], ["unshare", "--pid", "--fork"]]
+    run = run_ranks("copy_paths", 2, tmp_path_factory.mktemp("copy"), timeout=90, **kwargs)
+    run.mode = request.param
+    return run
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_copy_path_is_single_copy_unless_turned_off_or_refused_with_the_reason(copy_paths, rank):
+    path = copy_paths.check(rank, "copy_path")["detail"]
+    if copy_paths.mode == "single-copy":
+        assert path == "single copy (cross-memory attach)"
+    elif copy_paths.mode == "two-copies":
+        assert path == "two copies through the ring (single copy disabled by configuration)"
+    else:
+        assert path.startswith("two copies through the ring (") and f"rank {1 - rank}" in path, path
+        assert "refused" in path or "different process" in path, path
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_large_messages_are_bit_exact_on_every_copy_path(copy_paths, rank):
+    copy_paths.check(rank, "backlog")
+    copy_paths.check(rank, "stream")
+    assert copy_paths.returncodes == [0, 0], copy_paths.describe()
+
+
+def test_a_receiver_with_a_backlog_lets_the_sender_write_and_reads_the_rest(copy_paths):
+    paths = [copy_paths.check(rank, "paths")["detail"] for rank in (0, 1)]
+    if copy_paths.mode != "single-copy":
+        assert all(p["read"] == p["written"] == 0 and p["copied"] >= 40 for p in paths), paths
+        return
+    # Backlog: the 12 MiB and 2 MiB messages find more waiting, so rank 0 writes them; the
+    # others (three below the hand-over size and the last one) rank 1 reads.
+    assert all(p["copied"] == 0 for p in paths), paths
+    assert all(p["written"] >= 2 and p["read"] >= 4 for p in paths), paths
+    assert paths[0]["read"] + paths[0]["written"] == paths[1]["read"] + paths[1]["written"], paths
+
+
+def test_a_polling_ping_pong_wakes_no_receive_thread(copy_paths):
+    if copy_paths.mode != "single-copy":
+        pytest.skip("the same fast path in every mode; measured once")
+    for rank in (0, 1):
+        detail = copy_paths.check(rank, "ping_pong")["detail"]
+        # Each rank waits for the other's answer in a polling caller; a wake-up only happens
+        # when a rank was descheduled for longer than the poll (50 us) and fell asleep.
+        assert detail["wakeups"] <= detail["rounds"] // 20, detail

@@ -187,6 +187,7 @@ PYBIND11_MODULE(_C, m) {
       .def("describe", py::overload_cast<uint64_t>(&Engine::describe), py::arg("id"), released)
       .def("transport_of", &Engine::transport_of, py::arg("peer"))
       .def("copy_path", &Engine::copy_path, py::arg("peer"))
+      .def("stats", &Engine::stats, released)
       .def("close", &Engine::close, py::arg("grace_s") = 2.0, released);
 
   m.def("verbs_compiled", &verbs_compiled);

@@ -66,6 +66,7 @@ enum class MsgType : uint32_t {
   Data = 5,   // one chunk of a matched transfer: `nbytes` bytes at `offset`
   Bye = 6,    // the sender closes its endpoint; nothing follows
   Pulled = 7, // shm single copy: the receiver read the whole message out of the sender's memory
+  Pushed = 8, // shm single copy: the sender wrote the whole message into the receiver's memory
 };
 
 constexpr int kMaxDims = 32;
@@ -78,13 +79,14 @@ struct CtrlHeader {
   uint64_t recv_id = 0;        // request id on the receiving rank (Cts, Data, Nack)
   uint64_t nbytes = 0;         // message size (Eager, Rts) or chunk size (Data)
   uint64_t offset = 0;         // chunk offset (Data)
-  uint64_t remote_addr = 0;    // verbs Cts: receive buffer address; shm Rts: the sender's buffer (single copy)
-  uint32_t rkey = 0;           // verbs Cts: remote key of that buffer; shm Rts: generation of the claim
+  uint64_t remote_addr = 0;    // verbs Cts: receive buffer address; shm Rts/Cts: the offered buffer (single copy)
+  uint32_t rkey = 0;           // verbs Cts: remote key of that buffer; shm Rts/Cts: generation of the claim
   uint32_t ndim = 0;
   uint32_t payload_bytes = 0;  // bytes that follow the header in the same slot/frame
   uint32_t error_kind = 0;     // Nack: ErrorKind
-  uint32_t from_sender = 0;    // Nack: 1 when the sender abandons, 0 when the receiver refuses
-  uint32_t token = 0;          // verbs Cts: immediate value of the final write; shm Rts: claim slot + 1
+  uint32_t from_sender = 0;    // Nack: 1 when the sender abandons, 0 when the receiver refuses;
+                               // shm Rts: 1 when the sender can also write into the receiver's memory
+  uint32_t token = 0;          // verbs Cts: immediate value of the final write; shm Rts/Cts: claim slot + 1
   int64_t shape[kMaxDims] = {};
 };
 static_assert(sizeof(CtrlHeader) % 8 == 0, "header must keep payloads 8-byte aligned");

@@ -183,6 +183,12 @@ std::string Engine::copy_path(int peer) {
   return kind == "shm" ? channels_[peer]->copy_path() : kind;
 }
 
+std::map<std::string, uint64_t> Engine::stats() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return {{"eager", finished_by_path_[0]}, {"copied", finished_by_path_[1]}, {"read", finished_by_path_[2]},
+          {"written", finished_by_path_[3]}, {"wakeups", shm_ ? shm_->wakeups() : 0}};
+}
+
 int Engine::state(uint64_t id) {
   progress();
   std::lock_guard<std::mutex> lk(mu_);
@@ -365,7 +371,7 @@ bool Engine::take_chunk(bool block, std::shared_ptr<SendJob>* job, uint64_t* off
 }
 
 void Engine::run_chunk(const std::shared_ptr<SendJob>& job, uint64_t offset, uint64_t bytes) {
-  if (job->pull) return run_pull_chunk(job, offset, bytes);
+  if (job->kind != SendJob::Ring) return run_direct_chunk(job, offset, bytes);
   if (!send_chunk_begin(job->req)) return;
   std::string error = job->channel->push_chunk(*job, offset, bytes);
   send_chunk_end(job->req, error.empty() && !job->req->aborted.load() ? bytes : 0, error);
@@ -425,8 +431,8 @@ void Engine::monitor_body() {
         std::vector<std::shared_ptr<Request>> expired;
         for (auto& kv : requests_)
           if (kv.second->state == ReqState::Pending && kv.second->deadline <= now &&
-              // the peer is reading this send's buffer right now: it is about to finish
-              !(kv.second->pull_slot >= 0 && channels_[kv.second->peer]->being_pulled(*kv.second)))
+              // the peer is copying out of or into this buffer right now: it is about to finish
+              !(kv.second->offer_slot >= 0 && channels_[kv.second->peer]->offer_in_use(*kv.second)))
             expired.push_back(kv.second);
         for (auto& r : expired) {
           char secs[32];
@@ -471,12 +477,12 @@ void Engine::close(double grace_s) {
     done_cv_.notify_all();
   }
   {
-    // A send whose buffer a peer is reading (single copy) is reported only once the peer is
-    // done, because Python frees the tensor then; give those reads the grace period.
+    // A request whose buffer a peer is copying out of or into (single copy) is reported only
+    // once the peer is done, because Python frees the tensor then; give those the grace period.
     std::unique_lock<std::mutex> lk(mu_);
     done_cv_.wait_until(lk, deadline_after(grace_s < 0 ? 0 : grace_s), [&] {
       for (auto& kv : requests_)
-        if (kv.second->pull_hold) return false;
+        if (kv.second->offer_hold) return false;
       return true;
     });
   }

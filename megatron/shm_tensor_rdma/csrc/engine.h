@@ -6,6 +6,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <array>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -21,6 +22,10 @@
 namespace strdma {
 
 class VerbsContext;
+
+// A receiver with more messages waiting from the same sender lets the sender write messages
+// of at least this size into its buffer, instead of reading them itself (both sides copy).
+constexpr uint64_t kHandOverBytes = 256 << 10;
 
 struct EngineConfig {
   std::string job_id;
@@ -75,6 +80,8 @@ class Engine : public EngineSink {
   std::string describe(uint64_t id);
   std::string transport_of(int peer);
   std::string copy_path(int peer);
+  // Transfers finished, by how their bytes moved, and wake-ups of peers' receive threads.
+  std::map<std::string, uint64_t> stats();
   void close(double grace_s);
 
   // EngineSink
@@ -108,7 +115,7 @@ class Engine : public EngineSink {
   void on_ctrl_locked(int peer, const CtrlHeader& h, const uint8_t* payload);
   void accept_arrival(const std::shared_ptr<Request>& recv, const CtrlHeader& h, const uint8_t* payload);
   void fail(const std::shared_ptr<Request>& req, ErrorKind kind, const std::string& message);
-  void finish(const std::shared_ptr<Request>& req);
+  void finish(const std::shared_ptr<Request>& req, Path path = Path::Copied);
   void maybe_publish(const std::shared_ptr<Request>& req);
   void fail_peer_requests(int peer);
   void settle_if_peer_gone(const std::shared_ptr<Request>& req);
@@ -123,11 +130,15 @@ class Engine : public EngineSink {
   void send_loop();
   bool take_chunk(bool block, std::shared_ptr<SendJob>* job, uint64_t* offset, uint64_t* bytes);
   void run_chunk(const std::shared_ptr<SendJob>& job, uint64_t offset, uint64_t bytes);
-  void run_pull_chunk(const std::shared_ptr<SendJob>& job, uint64_t offset, uint64_t bytes);
-  // Starts the single-copy reads that matching queued in pulls_ (called without mu_).
-  void start_pulls();
-  // mu_ held: a single-copy send's outcome is known to the peer; stop holding it back.
-  void end_pull_hold(const std::shared_ptr<Request>& send);
+  void run_direct_chunk(const std::shared_ptr<SendJob>& job, uint64_t offset, uint64_t bytes);
+  // mu_ held: queues a single copy (read of the sender's buffer, or write into the receiver's)
+  // to be started by start_direct_jobs() once mu_ is released.
+  void queue_direct(const std::shared_ptr<Request>& req, SendJob::Kind kind, uint64_t peer_id, uint64_t remote_addr);
+  void start_direct_jobs();
+  // mu_ held: the peer is done with `req`'s offered buffer; stop holding a failure back.
+  void end_offer_hold(const std::shared_ptr<Request>& req);
+  // mu_ held: tells the peer this side gave up the transfer (Nack).
+  void tell_abandoned(const std::shared_ptr<Request>& req, ErrorKind kind, const std::string& message);
   // Spins up to spin_us, driving the shared-memory inbox from the calling thread, until
   // `ready()` (checked under mu_) holds. Saves two thread wake-ups per message when the
   // answer comes quickly, which is what small-message latency is made of.
@@ -164,6 +175,7 @@ class Engine : public EngineSink {
   std::condition_variable done_cv_;
   std::unordered_map<uint64_t, std::shared_ptr<Request>> requests_;
   std::deque<uint64_t> completed_;
+  uint64_t finished_by_path_[4] = {};
   std::vector<PeerState> peers_;
   uint64_t next_id_ = 1;
   std::atomic<uint64_t> publications_{0};  // bumped on every publish, read without mu_
@@ -174,7 +186,7 @@ class Engine : public EngineSink {
   std::condition_variable send_cv_;
   std::deque<std::shared_ptr<SendJob>> send_jobs_;
   std::atomic<size_t> send_jobs_queued_{0};  // send_jobs_.size(), readable without send_mu_
-  std::vector<std::shared_ptr<SendJob>> pulls_;  // mu_: matched single-copy receives to start
+  std::vector<std::shared_ptr<SendJob>> direct_jobs_;  // mu_: single copies to start
   bool send_stop_ = false;
   std::vector<std::thread> send_threads_;
 

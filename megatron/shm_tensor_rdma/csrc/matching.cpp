@@ -95,10 +95,10 @@ uint64_t Engine::isend(uintptr_t data, uint64_t nbytes, uint32_t dtype, const st
     h.payload_bytes = static_cast<uint32_t>(nbytes);
     ch->post_ctrl(h, req->data);
     req->bytes_done = nbytes;
-    finish(req);
+    finish(req, Path::Eager);
   } else {
     h.type = static_cast<uint32_t>(MsgType::Rts);
-    ch->offer_pull(*req, h);
+    if (ch->offer(*req, h)) h.from_sender = ch->can_copy_direct() ? 1 : 0;  // the receiver may read it, or we write
     ch->post_ctrl(h, nullptr);
   }
   return req->id;
@@ -108,7 +108,7 @@ uint64_t Engine::irecv(uintptr_t data, uint64_t nbytes, uint32_t dtype, const st
                        int64_t tag, double timeout_s) {
   check_ready("irecv", src, "src");
   auto req = make_request(false, data, nbytes, dtype, shape, src, tag, timeout_s);
-  bool pulls = false;
+  bool direct = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     req->id = next_id_++;
@@ -125,9 +125,9 @@ uint64_t Engine::irecv(uintptr_t data, uint64_t nbytes, uint32_t dtype, const st
     } else {
       ps.posted[tag].push_back(req);
     }
-    pulls = !pulls_.empty();
+    direct = !direct_jobs_.empty();
   }
-  if (pulls) start_pulls();
+  if (direct) start_direct_jobs();
   return req->id;
 }
 
@@ -156,7 +156,7 @@ void Engine::accept_arrival(const std::shared_ptr<Request>& recv, const CtrlHead
   if (h.type == static_cast<uint32_t>(MsgType::Eager)) {
     if (h.nbytes) std::memcpy(recv->data, payload, h.nbytes);
     recv->bytes_done = h.nbytes;
-    finish(recv);
+    finish(recv, Path::Eager);
     return;
   }
   if (peers_[recv->peer].gone_final) {
@@ -164,34 +164,34 @@ void Engine::accept_arrival(const std::shared_ptr<Request>& recv, const CtrlHead
     return;
   }
   Channel* ch = channels_[recv->peer];
-  switch (ch->claim_pull(h)) {
-    case 1: {  // read the sender's buffer directly, once mu_ is released
-      recv->pull_slot = static_cast<int32_t>(h.token - 1);
-      recv->pull_gen = h.rkey;
-      recv->pull_addr = h.remote_addr;
-      auto job = std::make_shared<SendJob>();
-      job->pull = true;
-      job->req = recv;
-      job->channel = ch;
-      job->recv_id = h.send_id;
-      job->remote_addr = h.remote_addr;
-      // Reads above workload_bytes are split in two or more (up to 1 MiB each) so the copy
-      // threads and waiting callers read in parallel; fewer, larger reads cost fewer calls.
-      job->chunk = std::max<uint64_t>(cfg_.workload_bytes, std::min<uint64_t>(1u << 20, (recv->nbytes + 1) / 2));
-      pulls_.push_back(std::move(job));
-      return;
-    }
-    case -1:  // the sender withdrew the offer (it gave up); its Nack follows and fails this receive
-      return;
-    default:
-      break;
-  }
   CtrlHeader cts;
   cts.type = static_cast<uint32_t>(MsgType::Cts);
   cts.tag = h.tag;
   cts.send_id = h.send_id;
   cts.recv_id = recv->id;
   cts.nbytes = recv->nbytes;
+  if (h.token != 0 && ch->can_copy_direct()) {
+    // Single copy. This thread reads the sender's buffer itself, unless more messages from
+    // the sender wait (in the ring or unmatched): then it hands this copy to the sender, which
+    // writes into our buffer, so both sides copy at once instead of one copying while the
+    // other waits.
+    const bool more_waiting = ch->more_inbound() || !peers_[recv->peer].arrived.empty();
+    if (h.from_sender && recv->nbytes >= kHandOverBytes && more_waiting && ch->offer(*recv, cts)) {
+      ch->post_ctrl(cts, nullptr);
+      return;
+    }
+    switch (ch->claim(h)) {
+      case 1:  // read it, once mu_ is released
+        recv->claim_slot = static_cast<int32_t>(h.token - 1);
+        recv->claim_gen = h.rkey;
+        queue_direct(recv, SendJob::Read, h.send_id, h.remote_addr);
+        return;
+      case -1:  // the sender withdrew the offer (it gave up); its Nack follows and fails this receive
+        return;
+      default:
+        break;
+    }
+  }
   std::string error = ch->prepare_recv(*recv, cts);
   if (!error.empty()) {
     fail(recv, ErrorKind::Internal, describe(*recv) + ": " + error);
@@ -201,19 +201,19 @@ void Engine::accept_arrival(const std::shared_ptr<Request>& recv, const CtrlHead
 }
 
 void Engine::on_ctrl(int peer, const CtrlHeader& h, const uint8_t* payload) {
-  bool pulls = false;
+  bool direct = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     on_ctrl_locked(peer, h, payload);
-    pulls = !pulls_.empty();
+    direct = !direct_jobs_.empty();
   }
-  if (pulls) start_pulls();
+  if (direct) start_direct_jobs();
 }
 
 void Engine::on_ctrl_locked(int peer, const CtrlHeader& h, const uint8_t* payload) {
   const auto type = static_cast<MsgType>(h.type);
   // While closing, only answers that release a send's buffer still matter.
-  if (closing_ && type != MsgType::Pulled && !(type == MsgType::Nack && !h.from_sender)) return;
+  if (closing_ && type != MsgType::Pulled && type != MsgType::Pushed && type != MsgType::Nack) return;
   PeerState& ps = peers_[peer];
   switch (static_cast<MsgType>(h.type)) {
     case MsgType::Eager:
@@ -236,10 +236,26 @@ void Engine::on_ctrl_locked(int peer, const CtrlHeader& h, const uint8_t* payloa
       auto send = find(h.send_id);
       // A Cts for a send that already failed (timeout) is stale: our Nack tells the receiver.
       if (!send || !send->is_send || send->state != ReqState::Pending || send->peer != peer) break;
-      channels_[peer]->release_pull(*send);  // the receiver chose two copies
+      Channel* ch = channels_[peer];
+      ch->release_offer(*send);  // the receiver will not read our buffer
       send->matched = true;
       send->remote_id = h.recv_id;
-      channels_[peer]->start_data(send, h.recv_id, h);
+      if (h.token != 0) {  // the receiver offers its buffer: write into it (single copy)
+        switch (ch->claim(h)) {
+          case 1:
+            send->claim_slot = static_cast<int32_t>(h.token - 1);
+            send->claim_gen = h.rkey;
+            queue_direct(send, SendJob::Write, h.recv_id, h.remote_addr);
+            break;
+          case -1:  // the receiver withdrew (it gave up); its Nack follows
+            break;
+          default:
+            fail(send, ErrorKind::Internal, describe(*send) + " failed: rank " + std::to_string(peer) +
+                                               " asked this rank to write into its memory, which is not permitted here");
+        }
+        break;
+      }
+      ch->start_data(send, h.recv_id, h);
       break;
     }
     case MsgType::Nack: {
@@ -248,7 +264,7 @@ void Engine::on_ctrl_locked(int peer, const CtrlHeader& h, const uint8_t* payloa
       if (!h.from_sender) {
         auto send = find(h.send_id);
         if (send && send->is_send && send->peer == peer) {
-          end_pull_hold(send);
+          end_offer_hold(send);
           fail(send, kind, describe(*send) + " failed: " + reason);
         }
         break;
@@ -263,23 +279,25 @@ void Engine::on_ctrl_locked(int peer, const CtrlHeader& h, const uint8_t* payloa
       }
       for (auto& kv : requests_) {
         auto& r = kv.second;
-        if (!r->is_send && r->peer == peer && r->matched && r->remote_id == h.send_id &&
-            r->state == ReqState::Pending) {
+        if (!r->is_send && r->peer == peer && r->matched && r->remote_id == h.send_id) {
+          end_offer_hold(r);  // the sender no longer writes into this receive's buffer
           fail(r, kind, describe(*r) + " failed: " + reason);
           break;
         }
       }
       break;
     }
-    case MsgType::Pulled: {
-      auto send = find(h.send_id);
-      if (!send || !send->is_send || send->peer != peer) break;
-      end_pull_hold(send);
-      if (send->state == ReqState::Pending) {
-        send->matched = true;
-        send->remote_id = h.recv_id;
-        send->bytes_done = send->nbytes;
-        finish(send);
+    case MsgType::Pulled:
+    case MsgType::Pushed: {  // the peer copied the whole message straight out of / into our buffer
+      const bool pulled = type == MsgType::Pulled;
+      auto r = find(pulled ? h.send_id : h.recv_id);
+      if (!r || r->is_send != pulled || r->peer != peer) break;
+      end_offer_hold(r);
+      if (r->state == ReqState::Pending) {
+        r->matched = true;
+        r->remote_id = pulled ? h.recv_id : h.send_id;
+        r->bytes_done = r->nbytes;
+        finish(r, pulled ? Path::Read : Path::Write);
       }
       break;
     }
@@ -288,63 +306,79 @@ void Engine::on_ctrl_locked(int peer, const CtrlHeader& h, const uint8_t* payloa
   }
 }
 
-void Engine::end_pull_hold(const std::shared_ptr<Request>& send) {
-  channels_[send->peer]->release_pull(*send);
-  if (send->pull_hold) {
-    send->pull_hold = false;
-    --send->busy;
-    maybe_publish(send);
+void Engine::end_offer_hold(const std::shared_ptr<Request>& req) {
+  channels_[req->peer]->release_offer(*req);
+  if (req->offer_hold) {
+    req->offer_hold = false;
+    --req->busy;
+    maybe_publish(req);
   }
 }
 
-void Engine::start_pulls() {
+void Engine::queue_direct(const std::shared_ptr<Request>& req, SendJob::Kind kind, uint64_t peer_id,
+                          uint64_t remote_addr) {
+  auto job = std::make_shared<SendJob>();
+  job->kind = kind;
+  job->req = req;
+  job->channel = channels_[req->peer];
+  job->recv_id = peer_id;  // the peer's request id
+  job->remote_addr = remote_addr;
+  // Copies above workload_bytes are split in two or more (up to 1 MiB each) so the copy
+  // threads and waiting callers work in parallel; fewer, larger copies cost fewer calls.
+  job->chunk = std::max<uint64_t>(cfg_.workload_bytes, std::min<uint64_t>(1u << 20, (req->nbytes + 1) / 2));
+  direct_jobs_.push_back(std::move(job));
+}
+
+void Engine::start_direct_jobs() {
   std::vector<std::shared_ptr<SendJob>> jobs;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    jobs.swap(pulls_);
+    jobs.swap(direct_jobs_);
   }
   for (auto& job : jobs) {
-    // One chunk's worth is read at once by this thread (it matched the message, so it is
-    // the thread that wants it): no hand-off. Larger reads are shared with the copy threads
+    // A copy of one chunk is done at once by this thread (it matched the message, so it is
+    // the thread that wants it): no hand-off. Larger ones are shared with the copy threads
     // and with waiting callers.
     if (job->req->nbytes <= job->chunk) {
       job->next_offset = job->req->nbytes;
-      run_pull_chunk(job, 0, job->req->nbytes);
+      run_direct_chunk(job, 0, job->req->nbytes);
     } else {
       enqueue_send_job(job);
     }
   }
 }
 
-void Engine::run_pull_chunk(const std::shared_ptr<SendJob>& job, uint64_t offset, uint64_t bytes) {
-  const auto& recv = job->req;
+void Engine::run_direct_chunk(const std::shared_ptr<SendJob>& job, uint64_t offset, uint64_t bytes) {
+  const auto& req = job->req;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (recv->state != ReqState::Pending) return;
-    ++recv->busy;
+    if (req->state != ReqState::Pending) return;
+    ++req->busy;
   }
-  std::string error = job->channel->pull(recv->data + offset, job->remote_addr + offset, bytes);
+  const bool reading = job->kind == SendJob::Read;
+  std::string error = reading ? job->channel->read(req->data + offset, job->remote_addr + offset, bytes)
+                              : job->channel->write(job->remote_addr + offset, req->data + offset, bytes);
   std::lock_guard<std::mutex> lk(mu_);
-  --recv->busy;
-  if (recv->state != ReqState::Pending) {
-    maybe_publish(recv);
+  --req->busy;
+  if (req->state != ReqState::Pending) {
+    maybe_publish(req);
     return;
   }
   if (!error.empty()) {
-    fail(recv, ErrorKind::Internal, describe(*recv) + " failed: " + error + " (" + stage(*recv) + ")");
+    fail(req, ErrorKind::Internal, describe(*req) + " failed: " + error + " (" + stage(*req) + ")");
     return;
   }
-  recv->bytes_done += bytes;
-  if (recv->bytes_done < recv->nbytes) return;
-  job->channel->pull_over(*recv);
+  req->bytes_done += bytes;
+  if (req->bytes_done < req->nbytes) return;
+  job->channel->claim_over(*req);
   CtrlHeader done;
-  done.type = static_cast<uint32_t>(MsgType::Pulled);
-  done.tag = recv->tag;
-  done.send_id = job->recv_id;  // the sender's request id
-  done.recv_id = recv->id;
-  done.nbytes = recv->nbytes;
+  done.type = static_cast<uint32_t>(reading ? MsgType::Pulled : MsgType::Pushed);
+  done.tag = req->tag;
+  done.send_id = reading ? job->recv_id : req->id;
+  done.recv_id = reading ? req->id : job->recv_id;
+  done.nbytes = req->nbytes;
   job->channel->post_ctrl(done, nullptr);
-  finish(recv);
+  finish(req, reading ? Path::Read : Path::Write);
 }
 
 DataLease Engine::data_begin(int peer, const CtrlHeader& h) {
@@ -412,9 +446,10 @@ void Engine::settle_if_peer_gone(const std::shared_ptr<Request>& req) {
     fail(req, ErrorKind::PeerGone, describe(*req) + " failed: " + ps.gone_reason + " (" + stage(*req) + ")");
 }
 
-void Engine::finish(const std::shared_ptr<Request>& req) {
+void Engine::finish(const std::shared_ptr<Request>& req, Path path) {
   if (req->state != ReqState::Pending) return;
   req->state = ReqState::Done;
+  ++finished_by_path_[static_cast<size_t>(path)];
   maybe_publish(req);
 }
 
@@ -425,15 +460,17 @@ void Engine::fail(const std::shared_ptr<Request>& req, ErrorKind kind, const std
   req->error = message;
   req->aborted.store(true);
   PeerState& ps = peers_[req->peer];
-  if (req->pull_slot >= 0 && channels_[req->peer]) {
-    if (!req->is_send) {
-      channels_[req->peer]->pull_over(*req);
-    } else if (!ps.gone && !channels_[req->peer]->withdraw_pull(*req)) {
-      // The peer is reading the buffer: report the failure only when it is done with it.
-      req->pull_hold = true;
-      ++req->busy;
-    }
+  Channel* ch = channels_[req->peer];
+  if (ch && req->offer_slot >= 0 && !ps.gone && !ch->withdraw(*req)) {
+    // The peer is copying out of or into this buffer: report the failure only when it is
+    // done with it (Pulled, Pushed or its Nack), because Python frees the tensor then.
+    req->offer_hold = true;
+    ++req->busy;
   }
+  // A copier stops touching the peer's buffer once its copies in flight end (busy == 0);
+  // only then may the peer hear about the failure and free that buffer.
+  const bool copying = req->claim_slot >= 0 && req->busy > 0;
+  if (ch && req->claim_slot >= 0 && !copying) ch->claim_over(*req);
   if (!req->is_send && !req->matched) {
     auto it = ps.posted.find(req->tag);
     if (it != ps.posted.end()) {
@@ -446,25 +483,40 @@ void Engine::fail(const std::shared_ptr<Request>& req, ErrorKind kind, const std
   // at its own timeout. Only needed once the peer knows about the transfer.
   bool tell = !ps.gone && !closing_ && (kind == ErrorKind::Timeout || kind == ErrorKind::Internal) &&
               (req->is_send || req->matched);
-  if (tell && channels_[req->peer]) {
-    CtrlHeader nack;
-    nack.type = static_cast<uint32_t>(MsgType::Nack);
-    nack.tag = req->tag;
-    nack.error_kind = static_cast<uint32_t>(kind);
-    nack.from_sender = req->is_send ? 1 : 0;
-    nack.send_id = req->is_send ? req->id : req->remote_id;
-    nack.recv_id = req->is_send ? req->remote_id : req->id;
-    std::string text = "rank " + std::to_string(cfg_.rank) + " abandoned the transfer: " + message;
-    nack.payload_bytes = static_cast<uint32_t>(std::min<size_t>(text.size(), channels_[req->peer]->eager_limit()));
-    channels_[req->peer]->post_ctrl(nack, text.data());
+  if (tell && ch && copying) {
+    req->deferred_nack = message;
+    req->deferred_kind = kind;
+  } else if (tell && ch) {
+    tell_abandoned(req, kind, message);
   }
   maybe_publish(req);
+}
+
+void Engine::tell_abandoned(const std::shared_ptr<Request>& req, ErrorKind kind, const std::string& message) {
+  CtrlHeader nack;
+  nack.type = static_cast<uint32_t>(MsgType::Nack);
+  nack.tag = req->tag;
+  nack.error_kind = static_cast<uint32_t>(kind);
+  nack.from_sender = req->is_send ? 1 : 0;
+  nack.send_id = req->is_send ? req->id : req->remote_id;
+  nack.recv_id = req->is_send ? req->remote_id : req->id;
+  std::string text = "rank " + std::to_string(cfg_.rank) + " abandoned the transfer: " + message;
+  nack.payload_bytes = static_cast<uint32_t>(std::min<size_t>(text.size(), channels_[req->peer]->eager_limit()));
+  channels_[req->peer]->post_ctrl(nack, text.data());
 }
 
 void Engine::maybe_publish(const std::shared_ptr<Request>& req) {
   // A failed request is reported only after every thread copying into or out of its buffer
   // finished, because the Python side frees the tensor as soon as it sees the outcome.
   if (req->state == ReqState::Pending || req->busy > 0 || req->published) return;
+  Channel* ch = channels_[req->peer];
+  if (ch && req->claim_slot >= 0 && req->state == ReqState::Failed) {
+    // A copier's last copy into or out of the peer's buffer ended: now the peer may know.
+    ch->claim_over(*req);
+    if (!req->deferred_nack.empty() && !peers_[req->peer].gone && !closing_)
+      tell_abandoned(req, req->deferred_kind, req->deferred_nack);
+    req->deferred_nack.clear();
+  }
   req->published = true;
   if (channels_[req->peer]) channels_[req->peer]->request_finished(*req);
   completed_.push_back(req->id);
@@ -476,7 +528,7 @@ void Engine::fail_peer_requests(int peer) {
   PeerState& ps = peers_[peer];
   ps.gone_final = true;
   for (auto& kv : requests_)
-    if (kv.second->peer == peer && kv.second->pull_hold) end_pull_hold(kv.second);  // no reader left
+    if (kv.second->peer == peer && kv.second->offer_hold) end_offer_hold(kv.second);  // no copier left
   std::vector<std::shared_ptr<Request>> victims;
   // A request with a copy in progress may be about to complete (its last chunk already
   // reached the peer, which is why the peer could finish and leave): the copy settles it.

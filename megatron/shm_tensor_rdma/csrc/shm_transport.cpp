@@ -38,6 +38,23 @@ std::string read_remote(int pid, uint8_t* dst, uint64_t remote, uint64_t bytes) 
   return "";
 }
 
+// Writes `bytes` from `src` to `remote` in process `pid`; "" or why not.
+std::string write_remote(int pid, uint64_t remote, const uint8_t* src, uint64_t bytes) {
+  uint64_t done = 0;
+  while (done < bytes) {
+    struct iovec local{const_cast<uint8_t*>(src) + done, static_cast<size_t>(bytes - done)};
+    struct iovec far{reinterpret_cast<void*>(remote + done), static_cast<size_t>(bytes - done)};
+    ssize_t n = process_vm_writev(pid, &local, 1, &far, 1, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno_text("process_vm_writev");
+    }
+    if (n == 0) return "process_vm_writev wrote nothing";
+    done += static_cast<uint64_t>(n);
+  }
+  return "";
+}
+
 // Under the Yama "restricted ptrace" policy (ptrace_scope 1) only a process's ancestors may
 // attach to it, which includes cross-memory attach; peers are siblings. Allowing any process
 // of the same user is what makes single copy possible there; scopes 2 and 3 are left alone
@@ -138,7 +155,10 @@ void ShmChannel::ring_peer_doorbell(bool wake_always, bool eager) {
       wake = true;
     }
   }
-  if (wake) futex_wake(&peer_header_->doorbell, 1);
+  if (wake) {
+    domain_.count_wakeup();
+    futex_wake(&peer_header_->doorbell, 1);
+  }
 }
 
 void ShmChannel::nudge() {
@@ -150,7 +170,10 @@ void ShmChannel::nudge() {
   if (peer_header_->pollers.load(std::memory_order_seq_cst) > 0 || peer_polled_recently()) return;
   owed_wake_.store(false, std::memory_order_relaxed);
   peer_header_->doorbell.fetch_add(1, std::memory_order_seq_cst);
-  if (peer_header_->sleepers.load(std::memory_order_seq_cst) > 0) futex_wake(&peer_header_->doorbell, 1);
+  if (peer_header_->sleepers.load(std::memory_order_seq_cst) > 0) {
+    domain_.count_wakeup();
+    futex_wake(&peer_header_->doorbell, 1);
+  }
 }
 
 bool ShmChannel::try_push_ctrl(const CtrlHeader& h, const void* payload) {
@@ -224,58 +247,64 @@ std::string ShmChannel::push_chunk(SendJob& job, uint64_t offset, uint64_t bytes
   return "";
 }
 
-bool ShmChannel::offer_pull(Request& send, CtrlHeader& rts) {
-  // Offered whenever single copy is configured: the receiver knows whether it may read us,
-  // and answers Cts (two copies) when it may not.
-  if (!domain_.options().single_copy || free_claims_.empty() || send.nbytes == 0 || gone_.load()) return false;
+bool ShmChannel::offer(Request& req, CtrlHeader& msg) {
+  // Offered whenever single copy is configured: the peer knows whether it may copy, and
+  // answers otherwise (Cts: two copies through the ring) when it may not.
+  if (!domain_.options().single_copy || free_claims_.empty() || req.nbytes == 0 || gone_.load()) return false;
   const uint32_t slot = free_claims_.back();
   free_claims_.pop_back();
   const uint32_t gen = claim_gen_[slot] = (claim_gen_[slot] + 1) & 0x1fffffffu;
   out_claims_[slot].store(claim_word(gen, kClaimOffered), std::memory_order_release);
-  send.pull_slot = static_cast<int32_t>(slot);
-  send.pull_gen = gen;
-  rts.remote_addr = reinterpret_cast<uintptr_t>(send.data);
-  rts.token = slot + 1;
-  rts.rkey = gen;
+  req.offer_slot = static_cast<int32_t>(slot);
+  req.offer_gen = gen;
+  msg.remote_addr = reinterpret_cast<uintptr_t>(req.data);
+  msg.token = slot + 1;
+  msg.rkey = gen;
   return true;
 }
 
-int ShmChannel::claim_pull(const CtrlHeader& rts) {
-  if (rts.token == 0 || rts.token > kClaimSlots || !can_pull_) return 0;
-  uint32_t expected = claim_word(rts.rkey, kClaimOffered);
-  return in_claims_[rts.token - 1].compare_exchange_strong(expected, claim_word(rts.rkey, kClaimPulling)) ? 1 : -1;
+int ShmChannel::claim(const CtrlHeader& msg) {
+  if (msg.token == 0 || msg.token > kClaimSlots || !can_pull_) return 0;
+  uint32_t expected = claim_word(msg.rkey, kClaimOffered);
+  return in_claims_[msg.token - 1].compare_exchange_strong(expected, claim_word(msg.rkey, kClaimPulling)) ? 1 : -1;
 }
 
-void ShmChannel::pull_over(const Request& recv) {
-  if (recv.pull_slot < 0) return;
-  in_claims_[recv.pull_slot].store(claim_word(recv.pull_gen, kClaimOver), std::memory_order_release);
+void ShmChannel::claim_over(const Request& req) {
+  if (req.claim_slot < 0) return;
+  in_claims_[req.claim_slot].store(claim_word(req.claim_gen, kClaimOver), std::memory_order_release);
 }
 
-bool ShmChannel::withdraw_pull(Request& send) {
-  if (send.pull_slot < 0) return true;
-  uint32_t expected = claim_word(send.pull_gen, kClaimOffered);
-  if (!out_claims_[send.pull_slot].compare_exchange_strong(expected, claim_word(send.pull_gen, kClaimAbandoned)))
+bool ShmChannel::withdraw(Request& req) {
+  if (req.offer_slot < 0) return true;
+  uint32_t expected = claim_word(req.offer_gen, kClaimOffered);
+  if (!out_claims_[req.offer_slot].compare_exchange_strong(expected, claim_word(req.offer_gen, kClaimAbandoned)))
     return false;
-  release_pull(send);
+  release_offer(req);
   return true;
 }
 
-void ShmChannel::release_pull(Request& send) {
-  if (send.pull_slot < 0) return;
-  free_claims_.push_back(static_cast<uint32_t>(send.pull_slot));
-  send.pull_slot = -1;
+void ShmChannel::release_offer(Request& req) {
+  if (req.offer_slot < 0) return;
+  free_claims_.push_back(static_cast<uint32_t>(req.offer_slot));
+  req.offer_slot = -1;
 }
 
-bool ShmChannel::being_pulled(const Request& send) {
-  if (send.pull_slot < 0) return false;
-  uint32_t w = out_claims_[send.pull_slot].load(std::memory_order_acquire);
-  return w == claim_word(send.pull_gen, kClaimPulling) || w == claim_word(send.pull_gen, kClaimOver);
+bool ShmChannel::offer_in_use(const Request& req) {
+  if (req.offer_slot < 0) return false;
+  uint32_t w = out_claims_[req.offer_slot].load(std::memory_order_acquire);
+  return w == claim_word(req.offer_gen, kClaimPulling) || w == claim_word(req.offer_gen, kClaimOver);
 }
 
-std::string ShmChannel::pull(uint8_t* dst, uint64_t remote_addr, uint64_t bytes) {
+std::string ShmChannel::read(uint8_t* dst, uint64_t remote_addr, uint64_t bytes) {
   if (gone_.load()) return "rank " + std::to_string(peer_) + " went away during the transfer";
   std::string error = read_remote(peer_pid_, dst, remote_addr, bytes);
   return error.empty() ? "" : "reading rank " + std::to_string(peer_) + "'s buffer failed: " + error;
+}
+
+std::string ShmChannel::write(uint64_t remote_addr, const uint8_t* src, uint64_t bytes) {
+  if (gone_.load()) return "rank " + std::to_string(peer_) + " went away during the transfer";
+  std::string error = write_remote(peer_pid_, remote_addr, src, bytes);
+  return error.empty() ? "" : "writing rank " + std::to_string(peer_) + "'s buffer failed: " + error;
 }
 
 std::string ShmChannel::copy_path() const {
@@ -492,10 +521,15 @@ void ShmDomain::recv_body() {
   auto idle_since = Clock::now();
   const size_t n = channels_.size();
   while (!stop_.load(std::memory_order_relaxed)) {
+    // While a caller busy-polls the inbox it consumes the control messages itself (and does
+    // the single copies they start): this thread then only helps with bulk chunks, which
+    // producers always ring for. Taking control messages too would leave the caller spinning
+    // on the consumer lock beside a thread doing its work, three busy threads where two do.
+    const bool caller_polls = header_->pollers.load(std::memory_order_relaxed) > 0;
     bool did = false;
     for (size_t i = 0; i < n; ++i) {
       ShmChannel* ch = channels_[(start + i) % n].get();
-      did |= ch->poll_ctrl();
+      if (!caller_polls) did |= ch->poll_ctrl();
       did |= ch->poll_bulk();
     }
     ++start;
@@ -503,19 +537,19 @@ void ShmDomain::recv_body() {
       idle_since = Clock::now();
       continue;
     }
-    // A caller busy-polling the inbox consumes control messages itself (producers then skip
-    // the doorbell): spinning beside it only takes a core from it or from the peer.
-    if (Clock::now() - idle_since < spin && header_->pollers.load(std::memory_order_relaxed) == 0) {
+    if (!caller_polls && Clock::now() - idle_since < spin) {
       cpu_relax();
       continue;
     }
     // Event-count sleep: read the doorbell, announce ourselves, re-check, then wait on the
-    // value read, so a publish between the check and the wait is never missed.
+    // value read, so a publish between the check and the wait is never missed. Beside a
+    // polling caller the sleep is short: the caller may stop polling without a new message.
     uint32_t bell = header_->doorbell.load(std::memory_order_seq_cst);
     header_->sleepers.fetch_add(1, std::memory_order_seq_cst);
     bool pending = false;
-    for (auto& ch : channels_) pending = pending || ch->inbound_pending();
-    if (!pending && !stop_.load()) futex_wait(&header_->doorbell, bell, 50 * 1000 * 1000);
+    for (auto& ch : channels_) pending = pending || (caller_polls ? ch->bulk_pending() : ch->inbound_pending());
+    if (!pending && !stop_.load())
+      futex_wait(&header_->doorbell, bell, caller_polls ? 1000 * 1000 : 50 * 1000 * 1000);
     header_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
     idle_since = Clock::now();
   }

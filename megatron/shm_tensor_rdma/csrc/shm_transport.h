@@ -75,19 +75,23 @@ class ShmChannel : public Channel {
   void start_data(const std::shared_ptr<Request>& send, uint64_t recv_id, const CtrlHeader& cts) override;
   std::string push_chunk(SendJob& job, uint64_t offset, uint64_t bytes) override;
   bool inbound_pending() override;
+  bool bulk_pending() { return in_bulk_.has_published(); }
   bool flush() override;
   // Wakes the peer's receive thread for a control message whose wake-up was deferred, once
   // the peer has stopped polling for a while. Cheap when nothing is owed.
   void nudge() override;
   bool owes_wake() const override { return owed_wake_.load(std::memory_order_relaxed); }
   void peer_gone() override;
-  bool offer_pull(Request& send, CtrlHeader& rts) override;
-  int claim_pull(const CtrlHeader& rts) override;
-  void pull_over(const Request& recv) override;
-  bool withdraw_pull(Request& send) override;
-  void release_pull(Request& send) override;
-  bool being_pulled(const Request& send) override;
-  std::string pull(uint8_t* dst, uint64_t remote_addr, uint64_t bytes) override;
+  bool offer(Request& req, CtrlHeader& msg) override;
+  int claim(const CtrlHeader& msg) override;
+  void claim_over(const Request& req) override;
+  bool withdraw(Request& req) override;
+  void release_offer(Request& req) override;
+  bool offer_in_use(const Request& req) override;
+  bool can_copy_direct() const override { return can_pull_; }
+  bool more_inbound() override { return in_ctrl_.has_published(); }
+  std::string read(uint8_t* dst, uint64_t remote_addr, uint64_t bytes) override;
+  std::string write(uint64_t remote_addr, const uint8_t* src, uint64_t bytes) override;
   std::string copy_path() const override;
 
   // Receive-thread side: consume messages this peer published into our inbox.
@@ -114,7 +118,7 @@ class ShmChannel : public Channel {
   std::vector<uint32_t> free_claims_;            // engine mutex
   std::vector<uint32_t> claim_gen_;              // engine mutex
   int peer_pid_ = 0;
-  bool can_pull_ = false;      // we may read the peer's memory (probed at attach)
+  bool can_pull_ = false;      // we may read and write the peer's memory (probed at attach)
   std::string pull_refused_;   // why not, when not
   std::atomic<bool> gone_{false};
   std::mutex produce_mu_;  // keeps control messages in posting order
@@ -156,6 +160,8 @@ class ShmDomain {
   // True when no caller busy-polls our inbox (receive threads then do the work).
   bool unpolled() const { return header_->pollers.load(std::memory_order_relaxed) == 0; }
   void* inbox_base() const { return base_; }
+  void count_wakeup() { wakeups_.fetch_add(1, std::memory_order_relaxed); }
+  uint64_t wakeups() const { return wakeups_.load(std::memory_order_relaxed); }
 
  private:
   void recv_loop();
@@ -172,6 +178,7 @@ class ShmDomain {
   std::vector<std::unique_ptr<ShmChannel>> channels_;
   std::vector<std::thread> threads_;
   std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> wakeups_{0};  // futex wake-ups of peers' receive threads we issued
 };
 
 // Name of the (immediately unlinked) segment, exposed for tests of name hygiene.

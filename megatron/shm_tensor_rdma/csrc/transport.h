@@ -12,6 +12,10 @@
 
 namespace strdma {
 
+// How a finished transfer's bytes moved: whole with its header; copied by the transport
+// (shared-memory ring, TCP, RDMA); single copy, read by the receiver or written by the sender.
+enum class Path : uint8_t { Eager = 0, Copied = 1, Read = 2, Write = 3 };
+
 // One posted isend or irecv. Fields above the line are fixed at creation; the rest are
 // guarded by the engine mutex.
 struct Request {
@@ -38,13 +42,17 @@ struct Request {
   uint64_t remote_id = 0;   // the peer's request id, once known
   uint64_t bytes_done = 0;
   void* transport_state = nullptr;  // verbs: memory registration of `data`
-  // Shared-memory single copy. Send: the claim offered with the Rts (-1: none), and whether a
-  // failed send waits for the peer to finish reading before it is reported. Receive: where
-  // the sender's bytes are and which claim to mark finished.
-  int32_t pull_slot = -1;
-  uint32_t pull_gen = 0;
-  bool pull_hold = false;
-  uint64_t pull_addr = 0;
+  // Shared-memory single copy: one side offers its buffer (owner), the other copies straight
+  // out of it (the receiver reads) or into it (the sender writes). Owner: the offer's claim
+  // (-1: none), and whether a failed request waits for the peer to finish copying before it
+  // is reported. Copier: the claim it holds on the peer's offer (-1: none).
+  int32_t offer_slot = -1;
+  uint32_t offer_gen = 0;
+  bool offer_hold = false;
+  int32_t claim_slot = -1;
+  uint32_t claim_gen = 0;
+  std::string deferred_nack;  // copier: told to the owner once no copy runs (busy == 0)
+  ErrorKind deferred_kind = ErrorKind::None;
 };
 
 // A matched send being streamed in chunks; shared by the threads that move its chunks.
@@ -54,9 +62,9 @@ struct SendJob {
   uint64_t recv_id = 0;
   uint64_t next_offset = 0;
   uint64_t chunk = 0;
-  // A receive that reads the sender's memory (single copy) instead of a send that copies
-  // into the peer's ring; `remote_addr` is the sender's buffer.
-  bool pull = false;
+  // Single copy: a receive that reads the sender's buffer, or a send that writes into the
+  // receiver's (`remote_addr`), instead of a send that copies into the peer's ring.
+  enum Kind { Ring = 0, Read = 1, Write = 2 } kind = Ring;
   uint64_t remote_addr = 0;
 };
 
@@ -113,23 +121,28 @@ class Channel {
   virtual void nudge() {}
   virtual bool owes_wake() const { return false; }
 
-  // ---- single copy (shared memory): the receiver reads the sender's buffer directly. All of
-  // these are called with the engine mutex held, except pull().
-  // Sender: offers `send`'s buffer in its Rts. False when this channel cannot.
-  virtual bool offer_pull(Request&, CtrlHeader&) { return false; }
-  // Receiver, for an Rts: 1 when it may read the sender's buffer now (the claim is taken),
-  // 0 when the Rts offers nothing usable (answer Cts), -1 when the sender withdrew the offer.
-  virtual int claim_pull(const CtrlHeader&) { return 0; }
-  // Receiver: the read is over (finished or failed); the sender's buffer is no longer touched.
-  virtual void pull_over(const Request&) {}
-  // Sender: withdraws an offer before the receiver claims it. False while it is being read.
-  virtual bool withdraw_pull(Request&) { return true; }
-  // Sender: the receiver answered (Pulled, Cts or Nack); the offer's claim is free again.
-  virtual void release_pull(Request&) {}
-  // Sender: true while the receiver reads (or has read) the offered buffer.
-  virtual bool being_pulled(const Request&) { return false; }
-  // Receiver, any thread, without the mutex: copies `bytes` from the sender's `remote_addr`.
-  virtual std::string pull(uint8_t*, uint64_t, uint64_t) { return "transport cannot read the peer's memory"; }
+  // ---- single copy (shared memory): one side copies straight out of or into the other's
+  // buffer. All of these are called with the engine mutex held, except read() and write().
+  // Owner: offers `req`'s buffer in `msg` (Rts for reads, Cts for writes). False when it cannot.
+  virtual bool offer(Request&, CtrlHeader&) { return false; }
+  // Copier, for a message with an offer: 1 when it may copy now (the claim is taken), 0 when
+  // the message offers nothing usable, -1 when the owner withdrew the offer.
+  virtual int claim(const CtrlHeader&) { return 0; }
+  // Copier: the copy is over (finished or failed); the owner's buffer is no longer touched.
+  virtual void claim_over(const Request&) {}
+  // Owner: withdraws an offer before the peer claims it. False while the peer copies.
+  virtual bool withdraw(Request&) { return true; }
+  // Owner: the peer answered; the offer's claim is free again.
+  virtual void release_offer(Request&) {}
+  // Owner: true while the peer copies (or has copied) through the offer.
+  virtual bool offer_in_use(const Request&) { return false; }
+  // True when more control messages from the peer wait to be consumed.
+  virtual bool more_inbound() { return false; }
+  // True when this side can read and write the peer's memory.
+  virtual bool can_copy_direct() const { return false; }
+  // Copier, any thread, without the mutex: `bytes` from / to the peer's `remote_addr`.
+  virtual std::string read(uint8_t*, uint64_t, uint64_t) { return "transport cannot read the peer's memory"; }
+  virtual std::string write(uint64_t, const uint8_t*, uint64_t) { return "transport cannot write the peer's memory"; }
   // How large messages move on this channel, for diagnostics.
   virtual std::string copy_path() const { return "copy"; }
 };
