@@ -479,6 +479,8 @@ void Engine::close(double grace_s) {
   {
     // A request whose buffer a peer is copying out of or into (single copy) is reported only
     // once the peer is done, because Python frees the tensor then; give those the grace period.
+    // Blocking: the peers' answers (Pulled, Pushed) then wake a receive thread to consume them.
+    Blocking blocking(connected_ ? shm_.get() : nullptr);
     std::unique_lock<std::mutex> lk(mu_);
     done_cv_.wait_until(lk, deadline_after(grace_s < 0 ? 0 : grace_s), [&] {
       for (auto& kv : requests_)

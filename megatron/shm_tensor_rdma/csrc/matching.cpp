@@ -240,7 +240,9 @@ void Engine::on_ctrl_locked(int peer, const CtrlHeader& h, const uint8_t* payloa
       ch->release_offer(*send);  // the receiver will not read our buffer
       send->matched = true;
       send->remote_id = h.recv_id;
-      if (h.token != 0) {  // the receiver offers its buffer: write into it (single copy)
+      // A shared-memory receiver may offer its buffer: write into it (single copy). Only where
+      // this side can copy directly: a verbs Cts uses `token` for its immediate value.
+      if (h.token != 0 && ch->can_copy_direct()) {
         switch (ch->claim(h)) {
           case 1:
             send->claim_slot = static_cast<int32_t>(h.token - 1);
