@@ -182,15 +182,18 @@ def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = N
     known = _known_windows(trace, fitted or {})
     rows = rows[~np.isin(c["window"][rows], known)]
     instance = collectives.row_instance[rows]
-    report, models = _fit(trace, rows, instance, c["end"][rows], allow_drift, progress=progress)
+    report, models, drift_windows = _fit(trace, rows, instance, c["end"][rows], allow_drift, progress=progress)
     p2p_anchors = 0
     # Transfer latency is one-sided in an anchor; the per-link balancing cancels it on average
     # over the window, but not along time, where forward messages cluster early and backward ones
     # late, which a drift fit would take for drift. So P2P anchors refine offset-only fits, and a
-    # component whose collectives already show drift keeps its collectives-only fit.
-    if p2p is not None and len(p2p) and not models["offset+drift"]:
+    # window whose collectives already show drift keeps its collectives-only fit. Decided per
+    # window (anchors never tie two windows), so a window's corrections do not depend on which
+    # other windows are fitted with it: online detection, which fits only the new windows, gets
+    # the same corrections as a fit of the whole directory.
+    if p2p is not None and len(p2p):
         send, recv = p2p.send_rows, p2p.recv_rows
-        new = ~np.isin(c["window"][send], known)
+        new = ~np.isin(c["window"][send], known) & ~np.isin(c["window"][send], drift_windows)
         send, recv = send[new], recv[new]
         send_end = c["end"][send] - _correction_ns(trace, report, send, c["end"][send])
         recv_start = c["start"][recv] - _correction_ns(trace, report, recv, c["start"][recv])
@@ -198,11 +201,19 @@ def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = N
         weight = _balanced_link_weights(c["rank"][send], c["rank"][recv], c["window"][send]) * waited
         used = weight > 0
         if used.any():
+            drifting = np.isin(c["window"][rows], drift_windows)
+            # The drifting windows' fit again, alone (the same result as above), then the others
+            # with their P2P anchors, into the same report.
+            report, models, _ = _fit(trace, rows[drifting], instance[drifting], c["end"][rows[drifting]],
+                                     allow_drift, progress=progress)
             ids = (int(instance.max()) + 1 if len(instance) else 0) + np.arange(int(used.sum()))
-            prior = np.concatenate([np.ones(len(rows)), weight[used], weight[used]])
-            rows = np.concatenate([rows, send[used], recv[used]])
-            instance = np.concatenate([instance, ids, ids])
-            report, models = _fit(trace, rows, instance, c["end"][rows], False, prior, progress=progress)
+            steady = rows[~drifting]
+            prior = np.concatenate([np.ones(len(steady)), weight[used], weight[used]])
+            refined = np.concatenate([steady, send[used], recv[used]])
+            refined_instance = np.concatenate([instance[~drifting], ids, ids])
+            report, models, _ = _fit(trace, refined, refined_instance, c["end"][refined], False, prior,
+                                     progress=progress, into=(report, models))
+            rows = np.concatenate([rows[drifting], refined])
             p2p_anchors = int(used.sum())
     for (rank, window), (offset, drift) in (fitted or {}).items():
         if window in known and rank in report:
@@ -248,15 +259,19 @@ def _balanced_link_weights(src: np.ndarray, dst: np.ndarray, window: np.ndarray)
 
 
 def _fit(trace: GlobalTrace, rows: np.ndarray, instance: np.ndarray, end: np.ndarray, allow_drift: bool,
-         prior: np.ndarray | None = None, progress: Progress | None = None
-         ) -> tuple[dict[int, RankAlignment], dict[str, int]]:
+         prior: np.ndarray | None = None, progress: Progress | None = None,
+         into: tuple[dict[int, RankAlignment], dict[str, int]] | None = None
+         ) -> tuple[dict[int, RankAlignment], dict[str, int], np.ndarray]:
     """Fit every connected component of (rank, window) nodes linked by the anchors given as event
-    rows, their anchor instance ids and their finish times (wall ns)."""
+    rows, their anchor instance ids and their finish times (wall ns). Returns the report, the
+    number of components per model and the windows of components fitted with drift. `into`: a
+    report and model counts from a fit of other windows, added to."""
     c = trace.columns
-    report = {rank: RankAlignment(rank=rank) for rank in trace.ranks}
-    models = {"offset": 0, "offset+drift": 0}
+    report, models = into if into is not None else (
+        {rank: RankAlignment(rank=rank) for rank in trace.ranks}, {"offset": 0, "offset+drift": 0})
+    drift_windows: set[int] = set()
     if not len(rows):
-        return report, models
+        return report, models, np.zeros(0, dtype=np.int64)
     prior = np.ones(len(rows)) if prior is None else prior
     windows = int(c["window"].max()) + 1
     node_key = c["rank"][rows].astype(np.int64) * windows + c["window"][rows]
@@ -294,6 +309,8 @@ def _fit(trace: GlobalTrace, rows: np.ndarray, instance: np.ndarray, end: np.nda
             if dof > 0 and loss1 > 0 and (loss0 - loss1) / n / (loss1 / dof) > _F_THRESHOLD:
                 x, r, use_drift = x1, r1, True
         models["offset+drift" if use_drift else "offset"] += 1
+        if use_drift:
+            drift_windows.update(int(k % windows) for k in node_keys[comp_nodes])
         # Robust gauge: the median clock of the component is taken as right, so one skewed host
         # is corrected alone instead of shifting every healthy rank by its share of the mean.
         x = x.copy()
@@ -310,7 +327,7 @@ def _fit(trace: GlobalTrace, rows: np.ndarray, instance: np.ndarray, end: np.nda
             previous = 0.0 if entry.anchors == 0 else entry.residual_us ** 2 * entry.anchors
             entry.anchors += int(counts[i])
             entry.residual_us = float(np.sqrt((previous + squares[i]) / max(1, entry.anchors)))
-    return report, models
+    return report, models, np.array(sorted(drift_windows), dtype=np.int64)
 
 
 def _tables(trace: GlobalTrace, report: dict[int, RankAlignment]):
