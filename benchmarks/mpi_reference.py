@@ -159,6 +159,7 @@ def _spec(entries, fields: int, name: str) -> str:
 def _mpirun(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, str, str]:
     """(exit status or None on timeout, stdout, stderr). mpirun and its ranks run in their own
     session so that a timeout takes the ranks down with it."""
+    before = _vader_segments()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
@@ -171,6 +172,17 @@ def _mpirun(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, str,
             pass
         out, err = proc.communicate()
         return None, out, err
+    finally:
+        # Ranks that were killed (or crashed) never unlink vader's shared-memory segments: the
+        # ones that appeared during this run go (a benchmark run is meant to have the host to
+        # itself; segments that existed before are left alone).
+        if proc.returncode != 0:
+            for path in _vader_segments() - before:
+                path.unlink(missing_ok=True)
+
+
+def _vader_segments() -> set[Path]:
+    return set(Path("/dev/shm").glob("vader_segment.*"))
 
 
 def run(exe: Path | str, stream: list[tuple[int, int, int]], latency: list[tuple[int, int]],

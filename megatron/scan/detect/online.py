@@ -259,8 +259,10 @@ class OnlineDetector:
             first, newest = result["iterations"]
             why = (" and ".join(alert["named_by"]) if len(alert["named_by"]) >= 2
                    else f"{'/'.join(alert['named_by']) or 'found'} in {alert['analyses']} analyses in a row")
+            # A rank with no peer to compare its compute with (PP only) has no slowdown figure.
+            factor = f"{slowdown:.2f}x" if slowdown == slowdown else "slowdown not measurable"
             print(f"[megascan] WARNING online detection (iterations {first}-{newest}): {label} is "
-                  f"slow, {slowdown:.2f}x, confidence {alert['confidence']:.2f} ({why}): {alert['evidence'][0]}",
+                  f"slow, {factor}, confidence {alert['confidence']:.2f} ({why}): {alert['evidence'][0]}",
                   file=sys.stderr, flush=True)
         result["alerts_so_far"] = self.alerts
         path = self.trace_dir / "online_abnormal.json"
