@@ -21,35 +21,20 @@ uint64_t* ring_table(void* base) {
 
 size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
-// Reads `bytes` at `remote` in process `pid` into `dst`; "" or why not.
-std::string read_remote(int pid, uint8_t* dst, uint64_t remote, uint64_t bytes) {
+// Copies `bytes` between `local` here and `remote` in process `pid` (reading it, or writing
+// it when `write`); "" or why not. The kernel may move less than asked: the rest follows.
+std::string copy_remote(int pid, bool write, uint8_t* local, uint64_t remote, uint64_t bytes) {
+  const char* call = write ? "process_vm_writev" : "process_vm_readv";
   uint64_t done = 0;
   while (done < bytes) {
-    struct iovec local{dst + done, static_cast<size_t>(bytes - done)};
+    struct iovec here{local + done, static_cast<size_t>(bytes - done)};
     struct iovec far{reinterpret_cast<void*>(remote + done), static_cast<size_t>(bytes - done)};
-    ssize_t n = process_vm_readv(pid, &local, 1, &far, 1, 0);
+    ssize_t n = write ? process_vm_writev(pid, &here, 1, &far, 1, 0) : process_vm_readv(pid, &here, 1, &far, 1, 0);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return errno_text("process_vm_readv");
+      return errno_text(call);
     }
-    if (n == 0) return "process_vm_readv read nothing";
-    done += static_cast<uint64_t>(n);
-  }
-  return "";
-}
-
-// Writes `bytes` from `src` to `remote` in process `pid`; "" or why not.
-std::string write_remote(int pid, uint64_t remote, const uint8_t* src, uint64_t bytes) {
-  uint64_t done = 0;
-  while (done < bytes) {
-    struct iovec local{const_cast<uint8_t*>(src) + done, static_cast<size_t>(bytes - done)};
-    struct iovec far{reinterpret_cast<void*>(remote + done), static_cast<size_t>(bytes - done)};
-    ssize_t n = process_vm_writev(pid, &local, 1, &far, 1, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno_text("process_vm_writev");
-    }
-    if (n == 0) return "process_vm_writev wrote nothing";
+    if (n == 0) return std::string(call) + " moved nothing";
     done += static_cast<uint64_t>(n);
   }
   return "";
@@ -111,7 +96,7 @@ ShmChannel::ShmChannel(EngineSink& sink, ShmDomain& domain, int my_rank, int pee
     pull_refused_ = "single copy disabled by configuration";
   } else {
     uint64_t magic = 0;
-    std::string error = read_remote(peer_pid_, reinterpret_cast<uint8_t*>(&magic), peer_header_->owner_base, 8);
+    std::string error = copy_remote(peer_pid_, false, reinterpret_cast<uint8_t*>(&magic), peer_header_->owner_base, 8);
     if (!error.empty())
       pull_refused_ = "cross-memory attach to rank " + std::to_string(peer) + " (pid " + std::to_string(peer_pid_) +
                       ") refused: " + error + " (ptrace policy, seccomp or a separate pid namespace)";
@@ -297,13 +282,13 @@ bool ShmChannel::offer_in_use(const Request& req) {
 
 std::string ShmChannel::read(uint8_t* dst, uint64_t remote_addr, uint64_t bytes) {
   if (gone_.load()) return "rank " + std::to_string(peer_) + " went away during the transfer";
-  std::string error = read_remote(peer_pid_, dst, remote_addr, bytes);
+  std::string error = copy_remote(peer_pid_, false, dst, remote_addr, bytes);
   return error.empty() ? "" : "reading rank " + std::to_string(peer_) + "'s buffer failed: " + error;
 }
 
 std::string ShmChannel::write(uint64_t remote_addr, const uint8_t* src, uint64_t bytes) {
   if (gone_.load()) return "rank " + std::to_string(peer_) + " went away during the transfer";
-  std::string error = write_remote(peer_pid_, remote_addr, src, bytes);
+  std::string error = copy_remote(peer_pid_, true, const_cast<uint8_t*>(src), remote_addr, bytes);
   return error.empty() ? "" : "writing rank " + std::to_string(peer_) + "'s buffer failed: " + error;
 }
 
