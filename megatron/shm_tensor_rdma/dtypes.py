@@ -30,5 +30,14 @@ def dtype_code(dtype: torch.dtype) -> int:
     return 1024 + zlib.crc32(str(dtype).encode()) % (2**31 - 1024)
 
 
+def known_codes() -> tuple[dict[torch.dtype, int], list[int]]:
+    """The table, {dtype: code}, for the dtypes this torch has, and each code's item size in
+    bytes (0 for a code it does not have)."""
+    itemsize = [0] * (max(_CODES.values()) + 1)
+    for dtype, code in _CODES.items():
+        itemsize[code] = dtype.itemsize
+    return dict(_CODES), itemsize
+
+
 def dtype_names() -> dict[int, str]:
     return {code: str(dtype) for dtype, code in _CODES.items()}

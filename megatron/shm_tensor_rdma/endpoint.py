@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 import torch
 
 from . import _C
-from .dtypes import dtype_code, dtype_names
+from .dtypes import dtype_code, dtype_names, known_codes
 from .errors import EndpointClosedError, PeerError, TransferTimeout, TransportError, error_for
 from .host import default_host, host_key
 from .staging import PinnedPool
@@ -25,6 +25,9 @@ from .staging import PinnedPool
 _TRANSPORTS = ("shm", "verbs", "tcp")
 _INT64 = (-(2**63), 2**63 - 1)
 _PENDING, _DONE, _FAILED = 0, 1, 2
+# The core reads a plain CPU tensor's pointer, size, dtype and shape itself (the fast path of
+# send/recv/isend/irecv); everything else goes through the checks below.
+_C.set_torch_refs(torch.Tensor, *known_codes())
 
 
 class _Default:
@@ -188,6 +191,7 @@ class Endpoint:
     def _start(self, job_id: str, rank: int, world_size: int, config: EndpointConfig | None, port: int) -> None:
         self._closed = True  # until the engine exists, so close() is safe on failure
         self._engine = None
+        self._plain_transfer = self._post_plain = None  # the core's fast paths, while connected
         self._config = config if config is not None else EndpointConfig()
         self._config.validate()
         if not isinstance(job_id, str) or not job_id or "\n" in job_id:
@@ -227,6 +231,7 @@ class Endpoint:
             raise
         self.addresses = tuple(addresses)
         self._connected = True
+        self._plain_transfer, self._post_plain = self._engine.plain_transfer, self._engine.post_plain
 
     # ------------------------------------------------------------------ posting
 
@@ -236,6 +241,14 @@ class Endpoint:
 
         Messages with the same (dst, tag) are received in posting order. Do not modify the
         tensor until the handle finished."""
+        post = self._post_plain
+        if post is not None:
+            seconds = self._default_timeout if timeout is DEFAULT else self._timeout_seconds(timeout)
+            with self._lock:  # registering the handle is atomic with posting (see _post)
+                request_id = post(True, tensor, dst, tag, seconds)
+                if request_id is not False:
+                    handle = self._handles[request_id] = Handle(self, request_id, "send", dst, tag, tensor, tensor)
+                    return handle
         self._check_open("isend")
         _check_tensor(tensor, "isend")
         wire = tensor
@@ -251,6 +264,14 @@ class Endpoint:
         """Starts receiving from rank `src` into `out`, or into a new tensor when `out` is
         (shape, dtype) (allocated on `device`, default CPU). The sender's dtype and shape must
         match, else the handle fails with TensorMismatchError."""
+        post = self._post_plain
+        if post is not None:
+            seconds = self._default_timeout if timeout is DEFAULT else self._timeout_seconds(timeout)
+            with self._lock:
+                request_id = post(False, out, src, tag, seconds)
+                if request_id is not False:
+                    handle = self._handles[request_id] = Handle(self, request_id, "recv", src, tag, out, out)
+                    return handle
         self._check_open("irecv")
         if isinstance(out, tuple):
             if len(out) != 2 or not isinstance(out[1], torch.dtype):
@@ -269,6 +290,14 @@ class Endpoint:
         """Sends `tensor` and returns once it is sent: `isend(...).wait()` in a single call into
         the core, without a Handle. The lowest-latency way to send one small tensor. `timeout`
         is the transfer's own (see isend); it raises the transfer's error."""
+        transfer = self._plain_transfer
+        if transfer is not None:
+            failed = transfer(True, tensor, dst, tag,
+                              self._default_timeout if timeout is DEFAULT else self._timeout_seconds(timeout))
+            if failed is None:
+                return
+            if failed is not False:
+                raise error_for(failed[0], failed[1], dst)
         if type(tensor) is not torch.Tensor or not (tensor.is_cpu and tensor.is_contiguous()):
             self.isend(tensor, dst, tag, timeout=timeout).wait()
             return
@@ -278,6 +307,14 @@ class Endpoint:
              timeout: float | None | _Default = DEFAULT, device: torch.device | str | None = None) -> torch.Tensor:
         """Receives into `out` (or a new tensor for a (shape, dtype) pair) and returns it:
         `irecv(...).wait()` in a single call into the core, without a Handle."""
+        transfer = self._plain_transfer
+        if transfer is not None:
+            failed = transfer(False, out, src, tag,
+                              self._default_timeout if timeout is DEFAULT else self._timeout_seconds(timeout))
+            if failed is None:
+                return out
+            if failed is not False:
+                raise error_for(failed[0], failed[1], src)
         if type(out) is not torch.Tensor or not (out.is_cpu and out.is_contiguous()):
             return self.irecv(out, src, tag, timeout=timeout, device=device).wait()
         self._blocking(False, out, src, tag, timeout, "recv")
@@ -451,6 +488,7 @@ class Endpoint:
         seconds for them to notice) and stops the threads. Idempotent."""
         engine = getattr(self, "_engine", None)
         self._closed = True
+        self._plain_transfer = self._post_plain = None
         if engine is None:
             return
         engine.close(float(grace))

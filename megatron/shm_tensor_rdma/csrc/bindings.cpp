@@ -25,6 +25,108 @@ py::list finished_list(const std::vector<Finished>& v) {
   return out;
 }
 
+// The fast path for a plain tensor: its pointer, size, dtype and shape read through the C API in
+// one call, instead of five attribute reads and a list built by the Python wrapper (which cost
+// more than the transfer itself for small messages). Anything it does not recognize goes back to
+// the wrapper's checked path, which owns every error message.
+struct TorchRefs {
+  PyObject* tensor_type = nullptr;  // torch.Tensor: exact type only, subclasses take the checked path
+  PyObject* codes = nullptr;        // {torch.dtype: wire code}
+  std::vector<uint64_t> itemsize;   // by wire code
+  PyObject* s_is_cpu = nullptr;
+  PyObject* s_is_contiguous = nullptr;
+  PyObject* s_dtype = nullptr;
+  PyObject* s_shape = nullptr;
+  PyObject* s_data_ptr = nullptr;
+};
+TorchRefs torch_refs;  // set once by set_torch_refs; the references are kept for the process's life
+
+struct PlainTensor {
+  uintptr_t data = 0;
+  uint64_t nbytes = 0;
+  uint32_t dtype = 0;
+  std::vector<int64_t> shape;
+};
+
+// New reference to t.<name> or t.<name>(), or nullptr (with any Python error cleared).
+PyObject* get_attr(PyObject* t, PyObject* name, bool call) {
+  PyObject* v = call ? PyObject_CallMethodNoArgs(t, name) : PyObject_GetAttr(t, name);
+  if (!v) PyErr_Clear();
+  return v;
+}
+
+bool is_true_attr(PyObject* t, PyObject* name, bool call) {
+  PyObject* v = get_attr(t, name, call);
+  bool ok = v == Py_True;
+  Py_XDECREF(v);
+  return ok;
+}
+
+// True for a torch.Tensor (exact type) that is contiguous, on the CPU, has storage, a dtype in
+// the table and at most kMaxDims dimensions; fills `out`. Five reads of the tensor, as few as
+// that takes: a sparse tensor is not contiguous (or cannot say), an MKL-DNN one has no data
+// pointer, and nbytes is numel times the item size.
+bool plain_cpu_tensor(PyObject* t, PlainTensor& out) {
+  const TorchRefs& r = torch_refs;
+  if (!r.tensor_type || Py_TYPE(t) != reinterpret_cast<PyTypeObject*>(r.tensor_type)) return false;
+  if (!is_true_attr(t, r.s_is_cpu, false) || !is_true_attr(t, r.s_is_contiguous, true)) return false;
+  PyObject* dtype = get_attr(t, r.s_dtype, false);
+  if (!dtype) return false;
+  PyObject* code = PyDict_GetItemWithError(r.codes, dtype);  // borrowed
+  Py_DECREF(dtype);
+  if (!code) {
+    PyErr_Clear();
+    return false;
+  }
+  out.dtype = static_cast<uint32_t>(PyLong_AsUnsignedLong(code));
+  if (out.dtype >= r.itemsize.size() || r.itemsize[out.dtype] == 0) return false;
+  PyObject* shape = get_attr(t, r.s_shape, false);
+  if (!shape) return false;
+  bool ok = PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) <= static_cast<Py_ssize_t>(kMaxDims);
+  uint64_t numel = 1;
+  if (ok) {
+    const Py_ssize_t n = PyTuple_GET_SIZE(shape);
+    out.shape.resize(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n && ok; ++i) {
+      const int64_t d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+      out.shape[static_cast<size_t>(i)] = d;
+      numel *= static_cast<uint64_t>(d);
+      ok = d >= 0 && !PyErr_Occurred();
+    }
+    if (!ok) PyErr_Clear();
+  }
+  Py_DECREF(shape);
+  if (!ok) return false;
+  out.nbytes = numel * r.itemsize[out.dtype];
+  PyObject* ptr = get_attr(t, r.s_data_ptr, true);
+  if (!ptr) return false;
+  out.data = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(ptr));
+  Py_DECREF(ptr);
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+// An exact Python int within int64 (bool excluded); false sends the wrapper to its checked path.
+bool plain_int(PyObject* v, int64_t* out) {
+  if (!PyLong_CheckExact(v)) return false;
+  int overflow = 0;
+  *out = PyLong_AsLongLongAndOverflow(v, &overflow);
+  if (overflow || (*out == -1 && PyErr_Occurred())) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+// Reads the arguments of a fast-path post; false when the wrapper must check them itself.
+bool plain_post(py::handle tensor, py::handle peer, py::handle tag, PlainTensor& t, int64_t* p, int64_t* g) {
+  return plain_int(peer.ptr(), p) && *p >= INT32_MIN && *p <= INT32_MAX && plain_int(tag.ptr(), g) &&
+         plain_cpu_tensor(tensor.ptr(), t);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -183,6 +285,38 @@ PYBIND11_MODULE(_C, m) {
         check(sender ? e.irecv(ack_ptr, 1, 0, one, peer, tag + 1, 60) : e.isend(ack_ptr, 1, 0, one, peer, tag + 1, 60));
         return std::chrono::duration<double>(Clock::now() - started).count();
       }, py::arg("peer"), py::arg("nbytes"), py::arg("iters"), py::arg("window"), py::arg("sender"), py::arg("tag"))
+      // Fast paths of the wrapper's send/recv and isend/irecv for a plain CPU tensor (see
+      // plain_cpu_tensor). post_plain returns the request id, plain_transfer None when done or
+      // (error_kind, message) when failed; both return False for arguments they do not take.
+      .def("post_plain", [](Engine& e, bool is_send, py::handle tensor, py::handle peer, py::handle tag,
+                            double timeout_s) -> py::object {
+        PlainTensor t;
+        int64_t p = 0, g = 0;
+        if (!plain_post(tensor, peer, tag, t, &p, &g)) return py::bool_(false);
+        uint64_t id;
+        {
+          py::gil_scoped_release nogil;
+          id = is_send ? e.isend(t.data, t.nbytes, t.dtype, t.shape, static_cast<int>(p), g, timeout_s)
+                       : e.irecv(t.data, t.nbytes, t.dtype, t.shape, static_cast<int>(p), g, timeout_s);
+        }
+        return py::int_(id);
+      })
+      .def("plain_transfer", [](Engine& e, bool is_send, py::handle tensor, py::handle peer, py::handle tag,
+                                double timeout_s) -> py::object {
+        PlainTensor t;
+        int64_t p = 0, g = 0;
+        if (!plain_post(tensor, peer, tag, t, &p, &g)) return py::bool_(false);
+        Finished f;
+        {
+          py::gil_scoped_release nogil;
+          uint64_t id = is_send ? e.isend(t.data, t.nbytes, t.dtype, t.shape, static_cast<int>(p), g, timeout_s)
+                                : e.irecv(t.data, t.nbytes, t.dtype, t.shape, static_cast<int>(p), g, timeout_s);
+          e.wait(id, -1);
+          f = e.release(id);
+        }
+        if (f.state == static_cast<int>(ReqState::Done)) return py::none();
+        return py::make_tuple(f.error_kind, f.message);
+      })
       .def("in_flight", &Engine::in_flight, released)
       .def("describe", py::overload_cast<uint64_t>(&Engine::describe), py::arg("id"), released)
       .def("transport_of", &Engine::transport_of, py::arg("peer"))
@@ -190,6 +324,20 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", &Engine::stats, released)
       .def("close", &Engine::close, py::arg("grace_s") = 2.0, released);
 
+  m.def("set_torch_refs", [](py::handle tensor_type, py::dict codes, std::vector<uint64_t> itemsize) {
+    auto name = [](const char* s) { return PyUnicode_InternFromString(s); };
+    TorchRefs r;
+    r.tensor_type = tensor_type.inc_ref().ptr();
+    r.codes = codes.inc_ref().ptr();
+    r.itemsize = std::move(itemsize);
+    r.s_is_cpu = name("is_cpu");
+    r.s_is_contiguous = name("is_contiguous");
+    r.s_dtype = name("dtype");
+    r.s_shape = name("shape");
+    r.s_data_ptr = name("data_ptr");
+    torch_refs = std::move(r);
+  }, py::arg("tensor_type"), py::arg("codes"), py::arg("itemsize"),
+     "Gives the fast path torch.Tensor, the dtype code table and each code's item size (once, on import).");
   m.def("verbs_compiled", &verbs_compiled);
   m.def("verbs_device_ports", [] {
     std::string error;

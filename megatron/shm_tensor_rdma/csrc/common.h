@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -90,6 +91,14 @@ struct CtrlHeader {
   int64_t shape[kMaxDims] = {};
 };
 static_assert(sizeof(CtrlHeader) % 8 == 0, "header must keep payloads 8-byte aligned");
+
+// Bytes of a header in a shared-memory slot: the fixed fields and only the `ndim` dimensions in
+// use, so a small message moves two cache lines instead of six (the payload follows at once).
+constexpr size_t kHeaderFixedBytes = offsetof(CtrlHeader, shape);
+static_assert(kHeaderFixedBytes % 8 == 0, "the compact header must keep payloads 8-byte aligned");
+inline size_t compact_header_bytes(uint32_t ndim) {
+  return kHeaderFixedBytes + sizeof(int64_t) * (ndim < static_cast<uint32_t>(kMaxDims) ? ndim : kMaxDims);
+}
 
 // Failure record handed to Python when a request finishes.
 struct Finished {

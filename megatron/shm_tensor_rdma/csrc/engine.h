@@ -25,7 +25,7 @@ class VerbsContext;
 
 // A receiver with more messages waiting from the same sender lets the sender write messages
 // of at least this size into its buffer, instead of reading them itself (both sides copy).
-constexpr uint64_t kHandOverBytes = 256 << 10;
+constexpr uint64_t kHandOverBytes = 64 << 10;
 
 struct EngineConfig {
   std::string job_id;
@@ -105,6 +105,7 @@ class Engine : public EngineSink {
     std::unordered_map<int64_t, std::deque<Arrival>> arrived;  // no irecv matched yet
     bool gone = false;
     bool gone_final = false;  // drained; pending requests failed
+    bool handed_last = false;  // the last single copy from this peer was handed to it (alternates)
     std::string gone_reason;
   };
 

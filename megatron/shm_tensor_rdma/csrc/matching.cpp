@@ -175,8 +175,12 @@ void Engine::accept_arrival(const std::shared_ptr<Request>& recv, const CtrlHead
     // the sender wait (in the ring or unmatched): then it hands this copy to the sender, which
     // writes into our buffer, so both sides copy at once instead of one copying while the
     // other waits.
-    const bool more_waiting = ch->more_inbound() || !peers_[recv->peer].arrived.empty();
-    if (h.from_sender && recv->nbytes >= kHandOverBytes && more_waiting && ch->offer(*recv, cts)) {
+    PeerState& ps = peers_[recv->peer];
+    const bool more_waiting = ch->more_inbound() || !ps.arrived.empty();
+    const bool hand_over = h.from_sender && recv->nbytes >= kHandOverBytes && more_waiting && !ps.handed_last;
+    ps.handed_last = false;
+    if (hand_over && ch->offer(*recv, cts)) {
+      ps.handed_last = true;
       ch->post_ctrl(cts, nullptr);
       return;
     }

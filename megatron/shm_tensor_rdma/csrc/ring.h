@@ -60,11 +60,18 @@ class Ring {
   }
 
   Ring() = default;
-  explicit Ring(void* at) : h_(static_cast<RingHeader*>(at)) {}
+  // The geometry is copied out of the shared header: it never changes, and reading it there on
+  // every message would miss the cache whenever the other side touched that header line.
+  explicit Ring(void* at)
+      : h_(static_cast<RingHeader*>(at)),
+        slots_(h_->slots),
+        slot_payload_(h_->slot_payload),
+        slot_stride_(h_->slot_stride),
+        slot0_(reinterpret_cast<char*>(h_ + 1)) {}
 
   bool valid() const { return h_ != nullptr; }
-  uint32_t slot_payload() const { return h_->slot_payload; }
-  uint32_t slots() const { return h_->slots; }
+  uint32_t slot_payload() const { return slot_payload_; }
+  uint32_t slots() const { return slots_; }
 
   char* payload(uint32_t pos) const { return reinterpret_cast<char*>(slot(pos) + 1); }
   uint32_t bytes(uint32_t pos) const { return slot(pos)->bytes; }
@@ -120,9 +127,15 @@ class Ring {
 
   // Consumer: returns the slot to producers and wakes any producer waiting for space.
   void release(uint32_t pos) {
-    slot(pos)->seq.store(pos + h_->slots, std::memory_order_release);
-    h_->space_events.fetch_add(1, std::memory_order_seq_cst);
-    if (h_->space_waiters.load(std::memory_order_seq_cst) > 0) futex_wake(&h_->space_events, INT_MAX);
+    slot(pos)->seq.store(pos + slots_, std::memory_order_release);
+    // Dekker-style against claim_blocking (waiters++, then try_claim): either the waiter sees
+    // this slot free, or we see the waiter and bump the event count it sleeps on. Without a
+    // waiter the header line stays untouched.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (h_->space_waiters.load(std::memory_order_seq_cst) > 0) {
+      h_->space_events.fetch_add(1, std::memory_order_seq_cst);
+      futex_wake(&h_->space_events, INT_MAX);
+    }
   }
 
   // Producer: claims a slot, sleeping until one frees up. `keep_waiting` is asked between
@@ -151,11 +164,14 @@ class Ring {
 
  private:
   SlotHeader* slot(uint32_t pos) const {
-    return reinterpret_cast<SlotHeader*>(reinterpret_cast<char*>(h_ + 1) +
-                                         static_cast<size_t>(pos & (h_->slots - 1)) * h_->slot_stride);
+    return reinterpret_cast<SlotHeader*>(slot0_ + static_cast<size_t>(pos & (slots_ - 1)) * slot_stride_);
   }
 
   RingHeader* h_ = nullptr;
+  uint32_t slots_ = 0;
+  uint32_t slot_payload_ = 0;
+  uint32_t slot_stride_ = 0;
+  char* slot0_ = nullptr;
 };
 
 }  // namespace strdma

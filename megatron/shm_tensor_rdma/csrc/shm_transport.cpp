@@ -165,9 +165,10 @@ bool ShmChannel::try_push_ctrl(const CtrlHeader& h, const void* payload) {
   uint32_t pos = 0;
   if (!out_ctrl_.try_claim(&pos)) return false;
   char* slot = out_ctrl_.payload(pos);
-  std::memcpy(slot, &h, sizeof(h));
-  if (h.payload_bytes) std::memcpy(slot + sizeof(h), payload, h.payload_bytes);
-  out_ctrl_.publish(pos, static_cast<uint32_t>(sizeof(h) + h.payload_bytes));
+  const size_t header_bytes = compact_header_bytes(h.ndim);
+  std::memcpy(slot, &h, header_bytes);
+  if (h.payload_bytes) std::memcpy(slot + header_bytes, payload, h.payload_bytes);
+  out_ctrl_.publish(pos, static_cast<uint32_t>(header_bytes + h.payload_bytes));
   // Pulled and Nack only settle a request the peer already posted: like an eager message,
   // the peer's next call consumes them.
   const auto type = static_cast<MsgType>(h.type);
@@ -317,8 +318,10 @@ bool ShmChannel::poll_ctrl() {
     if (!in_ctrl_.try_take(&pos)) break;
     const char* slot = in_ctrl_.payload(pos);
     CtrlHeader h;
-    std::memcpy(&h, slot, sizeof(h));
-    sink_.on_ctrl(peer_, h, reinterpret_cast<const uint8_t*>(slot + sizeof(h)));
+    std::memcpy(&h, slot, kHeaderFixedBytes);
+    const size_t header_bytes = compact_header_bytes(h.ndim);
+    std::memcpy(h.shape, slot + kHeaderFixedBytes, header_bytes - kHeaderFixedBytes);
+    sink_.on_ctrl(peer_, h, reinterpret_cast<const uint8_t*>(slot + header_bytes));
     in_ctrl_.release(pos);
     any = true;
   }
