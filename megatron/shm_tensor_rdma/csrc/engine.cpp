@@ -5,6 +5,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <sched.h>
+
 #include <algorithm>
 #include <exception>
 #include <random>
@@ -204,6 +206,7 @@ bool Engine::spin_until(Ready ready, Clock::time_point deadline) {
   auto until = std::min(deadline, Clock::now() + spin);
   uint64_t seen = publications_.load(std::memory_order_acquire) - 1;  // check once up front
   bool result = false;
+  uint32_t idle_rounds = 0;
   shm_->begin_polling();
   for (;;) {
     uint64_t now_seen = publications_.load(std::memory_order_acquire);
@@ -214,6 +217,7 @@ bool Engine::spin_until(Ready ready, Clock::time_point deadline) {
         result = true;
         break;
       }
+      until = std::min(deadline, Clock::now() + spin);  // requests finish: traffic is flowing
     }
     // While waiting, the caller works: it drains the inbox and copies outgoing chunks, so on
     // few cores it adds to the copy threads instead of competing with them.
@@ -230,7 +234,9 @@ bool Engine::spin_until(Ready ready, Clock::time_point deadline) {
     }
     if (Clock::now() >= until) break;
     shm_->nudge_peers();
-    cpu_relax();
+    // Idle for a while: let another runnable thread have this core (a peer's thread we just
+    // woke, on a host with fewer cores than busy threads); free when nothing else is runnable.
+    if (++idle_rounds % 32 == 0) sched_yield(); else cpu_relax();
   }
   shm_->end_polling();
   if (!result) {

@@ -2,6 +2,7 @@
 #include "shm_transport.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -130,9 +131,10 @@ void ShmChannel::ring_peer_doorbell(bool wake_always, bool eager) {
   // otherwise the peer's next call into the library consumes them. Handshake messages (Rts,
   // Cts) wake at once unless the peer polled a moment ago; then the wake is owed, and
   // nudge() delivers it if the message is still unconsumed once that moment has passed.
+  // A caller asleep in wait/wait_any will not poll again by itself, however recently it polled.
   bool wake = wake_always;
   if (!wake && peer_header_->pollers.load(std::memory_order_seq_cst) == 0) {
-    if (eager) {
+    if (eager || peer_header_->blocked.load(std::memory_order_seq_cst) > 0) {
       wake = peer_header_->blocked.load(std::memory_order_seq_cst) > 0;
     } else if (peer_polled_recently()) {
       owed_wake_.store(true, std::memory_order_relaxed);
@@ -152,7 +154,9 @@ void ShmChannel::nudge() {
     owed_wake_.store(false, std::memory_order_relaxed);  // consumed meanwhile
     return;
   }
-  if (peer_header_->pollers.load(std::memory_order_seq_cst) > 0 || peer_polled_recently()) return;
+  if (peer_header_->pollers.load(std::memory_order_seq_cst) > 0 ||
+      (peer_polled_recently() && peer_header_->blocked.load(std::memory_order_seq_cst) == 0))
+    return;
   owed_wake_.store(false, std::memory_order_relaxed);
   peer_header_->doorbell.fetch_add(1, std::memory_order_seq_cst);
   if (peer_header_->sleepers.load(std::memory_order_seq_cst) > 0) {
@@ -318,7 +322,7 @@ bool ShmChannel::poll_ctrl() {
     if (!in_ctrl_.try_take(&pos)) break;
     const char* slot = in_ctrl_.payload(pos);
     CtrlHeader h;
-    std::memcpy(&h, slot, kHeaderFixedBytes);
+    std::memcpy(static_cast<void*>(&h), slot, kHeaderFixedBytes);  // the shape follows: only ndim entries
     const size_t header_bytes = compact_header_bytes(h.ndim);
     std::memcpy(h.shape, slot + kHeaderFixedBytes, header_bytes - kHeaderFixedBytes);
     sink_.on_ctrl(peer_, h, reinterpret_cast<const uint8_t*>(slot + header_bytes));
@@ -507,6 +511,7 @@ void ShmDomain::recv_body() {
   const auto spin = std::chrono::microseconds(options_.spin_us);
   size_t start = 0;
   auto idle_since = Clock::now();
+  uint32_t idle_rounds = 0;
   const size_t n = channels_.size();
   while (!stop_.load(std::memory_order_relaxed)) {
     // While a caller busy-polls the inbox it consumes the control messages itself (and does
@@ -526,7 +531,7 @@ void ShmDomain::recv_body() {
       continue;
     }
     if (!caller_polls && Clock::now() - idle_since < spin) {
-      cpu_relax();
+      if (++idle_rounds % 32 == 0) sched_yield(); else cpu_relax();  // as Engine::spin_until
       continue;
     }
     // Event-count sleep: read the doorbell, announce ourselves, re-check, then wait on the
