@@ -121,7 +121,19 @@ class Handle:
         Raises TransferTimeout naming the peer if `timeout` seconds pass first (the transfer
         keeps going and can be waited for again), or the transfer's own error."""
         if self._state == _PENDING:
-            self._endpoint._wait_handle(self, timeout)
+            endpoint = self._endpoint
+            wait_done = endpoint._wait_done
+            if timeout is None and wait_done is not None and self._wire is self.tensor:
+                failed = wait_done(self.id)  # a host tensor with no limit: the short way
+                with endpoint._lock:
+                    if self._state == _PENDING and failed is None:
+                        endpoint._handles.pop(self.id, None)
+                        self._wire = None
+                        self._state = _DONE
+                    elif self._state == _PENDING and failed[1] == _FAILED:
+                        endpoint._settle(self, _FAILED, failed[2], failed[3])
+            if self._state == _PENDING:
+                endpoint._wait_handle(self, timeout)
         if self._error is not None:
             raise self._error
         return self.tensor
@@ -191,7 +203,7 @@ class Endpoint:
     def _start(self, job_id: str, rank: int, world_size: int, config: EndpointConfig | None, port: int) -> None:
         self._closed = True  # until the engine exists, so close() is safe on failure
         self._engine = None
-        self._plain_transfer = self._post_plain = None  # the core's fast paths, while connected
+        self._plain_transfer = self._post_plain = self._wait_done = None  # the core's fast paths, while connected
         self._config = config if config is not None else EndpointConfig()
         self._config.validate()
         if not isinstance(job_id, str) or not job_id or "\n" in job_id:
@@ -232,6 +244,7 @@ class Endpoint:
         self.addresses = tuple(addresses)
         self._connected = True
         self._plain_transfer, self._post_plain = self._engine.plain_transfer, self._engine.post_plain
+        self._wait_done = self._engine.wait_done
 
     # ------------------------------------------------------------------ posting
 
@@ -488,7 +501,7 @@ class Endpoint:
         seconds for them to notice) and stops the threads. Idempotent."""
         engine = getattr(self, "_engine", None)
         self._closed = True
-        self._plain_transfer = self._post_plain = None
+        self._plain_transfer = self._post_plain = self._wait_done = None
         if engine is None:
             return
         engine.close(float(grace))

@@ -193,6 +193,18 @@ PYBIND11_MODULE(_C, m) {
         }
         return finished_tuple(f);
       }, py::arg("id"), py::arg("timeout_s"))
+      // Handle.wait's fast path: waits without a limit and takes the outcome; None when the
+      // transfer succeeded, else what wait_take returns (a failure, or -1 for an id another
+      // thread's poll() took first).
+      .def("wait_done", [](Engine& e, uint64_t id) -> py::object {
+        Finished f;
+        {
+          py::gil_scoped_release nogil;
+          f = e.wait_release(id);
+        }
+        if (f.state == static_cast<int>(ReqState::Done)) return py::none();
+        return finished_tuple(f);
+      }, py::arg("id"))
       .def("release", [](Engine& e, uint64_t id) {
         Finished f;
         {
@@ -226,8 +238,7 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release nogil;
           uint64_t id = is_send ? e.isend(data, nbytes, dtype, shape, peer, tag, timeout_s)
                                 : e.irecv(data, nbytes, dtype, shape, peer, tag, timeout_s);
-          e.wait(id, -1);
-          f = e.release(id);
+          f = e.wait_release(id);
         }
         return finished_tuple(f);
       }, py::arg("is_send"), py::arg("data"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"), py::arg("peer"),
@@ -241,8 +252,7 @@ PYBIND11_MODULE(_C, m) {
         auto once = [&](bool send) {
           uint64_t id = send ? e.isend(reinterpret_cast<uintptr_t>(out.data()), nbytes, 0, shape, peer, tag, 60)
                              : e.irecv(reinterpret_cast<uintptr_t>(back.data()), nbytes, 0, shape, peer, tag, 60);
-          e.wait(id, -1);
-          Finished f = e.release(id);
+          Finished f = e.wait_release(id);
           if (f.state != static_cast<int>(ReqState::Done)) throw TransportError("ping_pong: " + f.message);
         };
         const auto started = Clock::now();
@@ -262,8 +272,7 @@ PYBIND11_MODULE(_C, m) {
         uint8_t ack = 0;
         const std::vector<int64_t> shape{static_cast<int64_t>(nbytes)}, one{1};
         auto check = [&](uint64_t id) {
-          e.wait(id, -1);
-          Finished f = e.release(id);
+          Finished f = e.wait_release(id);
           if (f.state != static_cast<int>(ReqState::Done)) throw TransportError("stream: " + f.message);
         };
         std::deque<uint64_t> in_flight;
@@ -311,8 +320,7 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release nogil;
           uint64_t id = is_send ? e.isend(t.data, t.nbytes, t.dtype, t.shape, static_cast<int>(p), g, timeout_s)
                                 : e.irecv(t.data, t.nbytes, t.dtype, t.shape, static_cast<int>(p), g, timeout_s);
-          e.wait(id, -1);
-          f = e.release(id);
+          f = e.wait_release(id);
         }
         if (f.state == static_cast<int>(ReqState::Done)) return py::none();
         return py::make_tuple(f.error_kind, f.message);

@@ -300,6 +300,17 @@ Finished Engine::release(uint64_t id) {
   return take(id);
 }
 
+Finished Engine::wait_release(uint64_t id) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = requests_.find(id);
+    if (it == requests_.end() || it->second->published) return take(id);
+  }
+  wait(id, -1);
+  std::lock_guard<std::mutex> lk(mu_);
+  return take(id);
+}
+
 std::vector<Finished> Engine::poll() {
   progress();
   std::lock_guard<std::mutex> lk(mu_);

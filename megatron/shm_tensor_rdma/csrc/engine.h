@@ -72,6 +72,9 @@ class Engine : public EngineSink {
   bool wait(uint64_t id, double timeout_s);
   // Returns a finished request's outcome and forgets it (poll() will not report it).
   Finished release(uint64_t id);
+  // wait(id, no limit) then release(id), the blocking calls' path: a request that finished
+  // when posted (an eager send, a receive whose message was there) costs one lock.
+  Finished wait_release(uint64_t id);
   // Finished requests not yet released, releasing them.
   std::vector<Finished> poll();
   // As poll(), but blocks until at least one request finished or the timeout passed.
