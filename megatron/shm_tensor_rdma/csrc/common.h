@@ -71,6 +71,9 @@ enum class MsgType : uint32_t {
 };
 
 constexpr int kMaxDims = 32;
+// Buffers of messages copied aside (an eager message before its irecv, a control message
+// that found the ring full) kept for reuse, each at most a slot's size.
+constexpr size_t kSparePayloads = 256;
 
 struct CtrlHeader {
   uint32_t type = 0;

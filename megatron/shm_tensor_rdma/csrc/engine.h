@@ -99,10 +99,33 @@ class Engine : public EngineSink {
   void on_internal_error(const std::string& where, const std::string& what) override;
 
  private:
+  // A message consumed before its irecv: the compact header, then the eager payload, in one
+  // buffer (taken from spare_payloads_), so that queues of arrivals stay small.
   struct Arrival {
-    CtrlHeader header;
-    std::vector<uint8_t> payload;  // Eager data
+    std::vector<uint8_t> bytes;
+    void store(const CtrlHeader& h, const uint8_t* payload, std::vector<uint8_t>&& buffer) {
+      bytes = std::move(buffer);
+      const size_t head = compact_header_bytes(h.ndim);
+      const size_t tail = h.type == static_cast<uint32_t>(MsgType::Eager) ? h.payload_bytes : 0;
+      bytes.resize(head + tail);
+      std::memcpy(bytes.data(), &h, head);
+      if (tail) std::memcpy(bytes.data() + head, payload, tail);
+    }
+    CtrlHeader header() const {
+      CtrlHeader h;
+      std::memcpy(static_cast<void*>(&h), bytes.data(), kHeaderFixedBytes);
+      std::memcpy(h.shape, bytes.data() + kHeaderFixedBytes, compact_header_bytes(h.ndim) - kHeaderFixedBytes);
+      return h;
+    }
+    const uint8_t* payload() const {
+      CtrlHeader h;
+      std::memcpy(static_cast<void*>(&h), bytes.data(), kHeaderFixedBytes);
+      return bytes.data() + compact_header_bytes(h.ndim);
+    }
   };
+  // Payload buffers of consumed arrivals, reused: an eager message that arrives before its
+  // irecv is copied out of the ring, and a fresh allocation each time costs page faults.
+  std::vector<std::vector<uint8_t>> spare_payloads_;  // guarded by mu_
   struct PeerState {
     std::unordered_map<int64_t, std::deque<std::shared_ptr<Request>>> posted;
     std::unordered_map<int64_t, std::deque<Arrival>> arrived;  // no irecv matched yet

@@ -119,7 +119,8 @@ uint64_t Engine::irecv(uintptr_t data, uint64_t nbytes, uint32_t dtype, const st
       Arrival a = std::move(it->second.front());
       it->second.pop_front();
       if (it->second.empty()) ps.arrived.erase(it);
-      accept_arrival(req, a.header, a.payload.data());
+      accept_arrival(req, a.header(), a.payload());
+      if (spare_payloads_.size() < kSparePayloads) spare_payloads_.push_back(std::move(a.bytes));
     } else if (ps.gone_final) {
       fail(req, ErrorKind::PeerGone, describe(*req) + " failed: " + ps.gone_reason);
     } else {
@@ -229,9 +230,13 @@ void Engine::on_ctrl_locked(int peer, const CtrlHeader& h, const uint8_t* payloa
         if (it->second.empty()) ps.posted.erase(it);
         accept_arrival(recv, h, payload);
       } else {
+        std::vector<uint8_t> buffer;
+        if (!spare_payloads_.empty()) {
+          buffer = std::move(spare_payloads_.back());
+          spare_payloads_.pop_back();
+        }
         Arrival a;
-        a.header = h;
-        if (h.type == static_cast<uint32_t>(MsgType::Eager)) a.payload.assign(payload, payload + h.payload_bytes);
+        a.store(h, payload, std::move(buffer));
         ps.arrived[h.tag].push_back(std::move(a));
       }
       break;
@@ -279,7 +284,7 @@ void Engine::on_ctrl_locked(int peer, const CtrlHeader& h, const uint8_t* payloa
       auto it = ps.arrived.find(h.tag);
       if (it != ps.arrived.end()) {
         auto& q = it->second;
-        q.erase(std::remove_if(q.begin(), q.end(), [&](const Arrival& a) { return a.header.send_id == h.send_id; }),
+        q.erase(std::remove_if(q.begin(), q.end(), [&](const Arrival& a) { return a.header().send_id == h.send_id; }),
                 q.end());
         if (q.empty()) ps.arrived.erase(it);
       }
@@ -547,7 +552,7 @@ void Engine::fail_peer_requests(int peer) {
   for (auto it = ps.arrived.begin(); it != ps.arrived.end();) {
     auto& q = it->second;
     q.erase(std::remove_if(q.begin(), q.end(),
-                           [](const Arrival& a) { return a.header.type == static_cast<uint32_t>(MsgType::Rts); }),
+                           [](const Arrival& a) { return a.header().type == static_cast<uint32_t>(MsgType::Rts); }),
             q.end());
     it = q.empty() ? ps.arrived.erase(it) : std::next(it);
   }

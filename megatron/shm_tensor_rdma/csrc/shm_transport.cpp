@@ -186,8 +186,15 @@ void ShmChannel::post_ctrl(const CtrlHeader& h, const void* payload) {
   if (gone_.load()) return;
   std::lock_guard<std::mutex> lk(produce_mu_);
   // Anything already queued must go first, or messages with one tag could overtake.
+  if (!queued_.empty()) flush_locked();
   if (queued_.empty() && try_push_ctrl(h, payload)) return;
-  std::vector<uint8_t> copy(sizeof(h) + h.payload_bytes);
+  has_queued_.store(true, std::memory_order_relaxed);
+  std::vector<uint8_t> copy;
+  if (!spare_queued_.empty()) {
+    copy = std::move(spare_queued_.back());
+    spare_queued_.pop_back();
+  }
+  copy.resize(sizeof(h) + h.payload_bytes);
   std::memcpy(copy.data(), &h, sizeof(h));
   if (h.payload_bytes) std::memcpy(copy.data() + sizeof(h), payload, h.payload_bytes);
   queued_.push_back(std::move(copy));
@@ -195,14 +202,20 @@ void ShmChannel::post_ctrl(const CtrlHeader& h, const void* payload) {
 
 bool ShmChannel::flush() {
   std::lock_guard<std::mutex> lk(produce_mu_);
+  return flush_locked();
+}
+
+bool ShmChannel::flush_locked() {
   if (gone_.load()) queued_.clear();
   while (!queued_.empty()) {
     auto& m = queued_.front();
     CtrlHeader h;
     std::memcpy(&h, m.data(), sizeof(h));
     if (!try_push_ctrl(h, m.data() + sizeof(h))) return true;
+    if (spare_queued_.size() < kSparePayloads) spare_queued_.push_back(std::move(m));
     queued_.pop_front();
   }
+  has_queued_.store(false, std::memory_order_relaxed);
   return false;
 }
 
@@ -471,7 +484,10 @@ void ShmDomain::stop() {
 }
 
 void ShmDomain::nudge_peers() {
-  for (auto& ch : channels_) ch->nudge();
+  for (auto& ch : channels_) {
+    ch->flush_if_queued();
+    ch->nudge();
+  }
 }
 
 bool ShmDomain::progress_once() {

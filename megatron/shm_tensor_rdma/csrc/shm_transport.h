@@ -77,6 +77,10 @@ class ShmChannel : public Channel {
   bool inbound_pending() override;
   bool bulk_pending() { return in_bulk_.has_published(); }
   bool flush() override;
+  // flush() when something is queued; cheap otherwise (waiting callers call it as they spin).
+  void flush_if_queued() {
+    if (has_queued_.load(std::memory_order_relaxed)) flush();
+  }
   // Wakes the peer's receive thread for a control message whose wake-up was deferred, once
   // the peer has stopped polling for a while. Cheap when nothing is owed.
   void nudge() override;
@@ -122,7 +126,10 @@ class ShmChannel : public Channel {
   std::string pull_refused_;   // why not, when not
   std::atomic<bool> gone_{false};
   std::mutex produce_mu_;  // keeps control messages in posting order
+  bool flush_locked();  // flush() with produce_mu_ held
   std::deque<std::vector<uint8_t>> queued_;  // control messages that found the ring full
+  std::vector<std::vector<uint8_t>> spare_queued_;  // their buffers, reused (no page faults)
+  std::atomic<bool> has_queued_{false};      // !queued_.empty(), readable without produce_mu_
   std::mutex consume_mu_;  // one consumer at a time per control ring, to keep order
   // Consumers between "about to take a slot" and "done with it": a taken slot is no longer
   // published, but its message is not delivered yet either.
