@@ -277,6 +277,13 @@ class Endpoint:
         """Starts receiving from rank `src` into `out`, or into a new tensor when `out` is
         (shape, dtype) (allocated on `device`, default CPU). The sender's dtype and shape must
         match, else the handle fails with TensorMismatchError."""
+        if isinstance(out, tuple):
+            if len(out) != 2 or not isinstance(out[1], torch.dtype):
+                raise ValueError("irecv(out=...) takes a tensor or a (shape, dtype) pair")
+            try:
+                out = torch.empty(tuple(int(s) for s in out[0]), dtype=out[1], device=device or "cpu")
+            except (TypeError, RuntimeError) as e:
+                raise ValueError(f"irecv: cannot allocate a tensor of shape {out[0]!r}: {e}") from None
         post = self._post_plain
         if post is not None:
             seconds = self._default_timeout if timeout is DEFAULT else self._timeout_seconds(timeout)
@@ -286,13 +293,6 @@ class Endpoint:
                     handle = self._handles[request_id] = Handle(self, request_id, "recv", src, tag, out, out)
                     return handle
         self._check_open("irecv")
-        if isinstance(out, tuple):
-            if len(out) != 2 or not isinstance(out[1], torch.dtype):
-                raise ValueError("irecv(out=...) takes a tensor or a (shape, dtype) pair")
-            try:
-                out = torch.empty(tuple(int(s) for s in out[0]), dtype=out[1], device=device or "cpu")
-            except (TypeError, RuntimeError) as e:
-                raise ValueError(f"irecv: cannot allocate a tensor of shape {out[0]!r}: {e}") from None
         _check_tensor(out, "irecv")
         if not out.is_contiguous():
             raise ValueError("irecv: the out tensor must be contiguous (or pass (shape, dtype) to allocate one)")

@@ -278,3 +278,82 @@ def test_copy_path_and_stats_say_how_large_messages_moved():
         finally:
             a.close()
             b.close()
+
+
+def _plain_cases() -> list[tuple[str, torch.Tensor]]:
+    big = torch.arange(40, dtype=torch.float64)
+    cases = [
+        ("scalar", torch.tensor(7.5)),
+        ("empty", torch.empty(0, dtype=torch.int32)),
+        ("bool", torch.tensor([True, False, True])),
+        ("int8 8-d", torch.arange(256, dtype=torch.int8).reshape(2, 2, 2, 2, 2, 2, 2, 2)),
+        ("bfloat16", torch.linspace(-3, 3, 1000).to(torch.bfloat16)),
+        ("complex64", torch.randn(17, dtype=torch.complex64)),
+        ("view with an offset", big[3:29]),  # contiguous, data_ptr past the storage start
+        ("single copy", torch.randn(300, 700)),  # rendezvous: read out of the sender's memory
+    ]
+    if hasattr(torch, "float8_e4m3fn"):
+        cases.append(("float8", torch.randn(64).to(torch.float8_e4m3fn)))
+    return cases
+
+
+def test_plain_host_tensors_take_the_fast_path_and_arrive_bit_exact(pair, monkeypatch):
+    """send/recv and isend/irecv read a plain, contiguous host tensor in the core (one call);
+    the Python checks run only for anything else. Both must deliver the same bytes."""
+    a, b = pair
+    checked: list[str] = []
+    original_post, original_blocking = type(a)._post, type(a)._blocking
+    monkeypatch.setattr(type(a), "_post", lambda self, *args: checked.append("post") or original_post(self, *args))
+    monkeypatch.setattr(type(a), "_blocking",
+                        lambda self, *args: checked.append("blocking") or original_blocking(self, *args))
+
+    def as_bytes(t: torch.Tensor) -> bytes:
+        return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+    for tag, (name, sent) in enumerate(_plain_cases()):
+        sender = threading.Thread(target=a.send, args=(sent, 1, 100 + tag))
+        sender.start()
+        got = b.recv(torch.empty_like(sent), 0, 100 + tag)
+        sender.join(10)
+        handle = b.irecv((tuple(sent.shape), sent.dtype), 0, 200 + tag)
+        a.isend(sent, 1, 200 + tag).wait(10)
+        for received in (got, handle.wait(10)):
+            assert received.shape == sent.shape and received.dtype == sent.dtype, name
+            assert as_bytes(received) == as_bytes(sent), name
+    assert checked == [], f"plain host tensors went through the checked path: {checked}"
+
+    # Anything else takes the checked path and still arrives: a subclass, a transposed view.
+    param = torch.nn.Parameter(torch.randn(5, 3))
+    sender = threading.Thread(target=a.send, args=(param, 1, 300))
+    sender.start()
+    assert torch.equal(b.recv(torch.empty(5, 3), 0, 300), param.detach())
+    sender.join(10)
+    transposed = torch.randn(6, 4).t()
+    handle = b.irecv(((4, 6), torch.float32), 0, 301)
+    a.isend(transposed, 1, 301).wait(10)
+    assert torch.equal(handle.wait(10), transposed)
+    assert checked == ["post", "post"], checked  # send of a subclass goes through isend(...).wait()
+
+    # Past close the fast path is gone and the checked path names the closed endpoint.
+    a.close()
+    with pytest.raises(EndpointClosedError):
+        a.send(torch.ones(2), 1, 400)
+    with pytest.raises(EndpointClosedError):
+        a.isend(torch.ones(2), 1, 400)
+
+
+def test_a_backlog_of_mid_size_messages_is_copied_by_both_sides(pair):
+    """With more messages waiting, the receiver reads every other one and hands the rest to
+    the sender, which writes them: both processes copy at once."""
+    a, b = pair
+    sent = [torch.full((16384,), float(i)) for i in range(32)]  # 64 KiB each
+    sends = [a.isend(t, 1, 9) for t in sent]  # all requests to send are queued before any irecv
+    recvs = [b.irecv(((16384,), torch.float32), 0, 9) for _ in sent]
+    waiter = threading.Thread(target=lambda: [h.wait(20) for h in sends])
+    waiter.start()
+    got = [h.wait(20) for h in recvs]
+    waiter.join(20)
+    assert all(torch.equal(g, t) for g, t in zip(got, sent))
+    stats = b.stats()
+    assert stats["read"] + stats["written"] == 32, stats
+    assert stats["read"] >= 8 and stats["written"] >= 8, stats
