@@ -23,8 +23,8 @@ namespace strdma {
 
 class VerbsContext;
 
-// A receiver with more messages waiting from the same sender lets the sender write messages
-// of at least this size into its buffer, instead of reading them itself (both sides copy).
+// A receiver with more messages waiting from the same sender lets the sender write every other
+// message of at least this size into its buffer, and reads the others: both sides copy.
 constexpr uint64_t kHandOverBytes = 64 << 10;
 
 struct EngineConfig {

@@ -173,9 +173,9 @@ void Engine::accept_arrival(const std::shared_ptr<Request>& recv, const CtrlHead
   cts.nbytes = recv->nbytes;
   if (h.token != 0 && ch->can_copy_direct()) {
     // Single copy. This thread reads the sender's buffer itself, unless more messages from
-    // the sender wait (in the ring or unmatched): then it hands this copy to the sender, which
-    // writes into our buffer, so both sides copy at once instead of one copying while the
-    // other waits.
+    // the sender wait (in the ring or unmatched) and it read the previous one: then it hands
+    // this copy to the sender, which writes into our buffer. Alternating, both sides copy at
+    // once instead of one copying while the other waits.
     PeerState& ps = peers_[recv->peer];
     const bool more_waiting = ch->more_inbound() || !ps.arrived.empty();
     const bool hand_over = h.from_sender && recv->nbytes >= kHandOverBytes && more_waiting && !ps.handed_last;
