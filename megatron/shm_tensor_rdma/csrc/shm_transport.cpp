@@ -325,6 +325,7 @@ void ShmChannel::peer_gone() {
 }
 
 bool ShmChannel::poll_ctrl() {
+  if (!in_ctrl_.has_published()) return false;  // two plain loads: an idle spin stays cheap
   std::unique_lock<std::mutex> lk(consume_mu_, std::try_to_lock);
   if (!lk.owns_lock()) return false;
   consuming_.fetch_add(1, std::memory_order_seq_cst);
@@ -347,6 +348,7 @@ bool ShmChannel::poll_ctrl() {
 }
 
 bool ShmChannel::poll_bulk() {
+  if (!in_bulk_.has_published()) return false;
   uint32_t pos = 0;
   consuming_.fetch_add(1, std::memory_order_seq_cst);
   if (!in_bulk_.try_take(&pos)) {
