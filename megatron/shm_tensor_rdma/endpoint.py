@@ -254,6 +254,9 @@ class Endpoint:
 
         Messages with the same (dst, tag) are received in posting order. Do not modify the
         tensor until the handle finished."""
+        # The fast path (bindings.cpp, plain_cpu_tensor), written out here and in irecv, send,
+        # recv and Handle.wait rather than shared through helpers: a helper call per message
+        # measured 0.1-0.2 us more per one-way message here, against 1.2-2 us in all.
         post = self._post_plain
         if post is not None:
             seconds = self._default_timeout if timeout is DEFAULT else self._timeout_seconds(timeout)

@@ -41,11 +41,18 @@ struct TorchRefs {
 };
 TorchRefs torch_refs;  // set once by set_torch_refs; the references are kept for the process's life
 
-struct PlainTensor {
+// The arguments of a fast-path post, read out of Python objects.
+struct PlainPost {
   uintptr_t data = 0;
   uint64_t nbytes = 0;
   uint32_t dtype = 0;
   std::vector<int64_t> shape;
+  int peer = 0;
+  int64_t tag = 0;
+
+  uint64_t post(Engine& e, bool is_send, double timeout_s) const {
+    return e.post(is_send, data, nbytes, dtype, shape, peer, tag, timeout_s);
+  }
 };
 
 // New reference to t.<name> or t.<name>(), or nullptr (with any Python error cleared).
@@ -66,7 +73,7 @@ bool is_true_attr(PyObject* t, PyObject* name, bool call) {
 // the table and at most kMaxDims dimensions; fills `out`. Five reads of the tensor, as few as
 // that takes: a sparse tensor is not contiguous (or cannot say), an MKL-DNN one has no data
 // pointer, and nbytes is numel times the item size.
-bool plain_cpu_tensor(PyObject* t, PlainTensor& out) {
+bool plain_cpu_tensor(PyObject* t, PlainPost& out) {
   const TorchRefs& r = torch_refs;
   if (!r.tensor_type || Py_TYPE(t) != reinterpret_cast<PyTypeObject*>(r.tensor_type)) return false;
   if (!is_true_attr(t, r.s_is_cpu, false) || !is_true_attr(t, r.s_is_contiguous, true)) return false;
@@ -122,9 +129,11 @@ bool plain_int(PyObject* v, int64_t* out) {
 }
 
 // Reads the arguments of a fast-path post; false when the wrapper must check them itself.
-bool plain_post(py::handle tensor, py::handle peer, py::handle tag, PlainTensor& t, int64_t* p, int64_t* g) {
-  return plain_int(peer.ptr(), p) && *p >= INT32_MIN && *p <= INT32_MAX && plain_int(tag.ptr(), g) &&
-         plain_cpu_tensor(tensor.ptr(), t);
+bool plain_post(py::handle tensor, py::handle peer, py::handle tag, PlainPost& out) {
+  int64_t p = 0;
+  if (!plain_int(peer.ptr(), &p) || p < INT32_MIN || p > INT32_MAX || !plain_int(tag.ptr(), &out.tag)) return false;
+  out.peer = static_cast<int>(p);
+  return plain_cpu_tensor(tensor.ptr(), out);
 }
 
 }  // namespace
@@ -236,9 +245,7 @@ PYBIND11_MODULE(_C, m) {
         Finished f;
         {
           py::gil_scoped_release nogil;
-          uint64_t id = is_send ? e.isend(data, nbytes, dtype, shape, peer, tag, timeout_s)
-                                : e.irecv(data, nbytes, dtype, shape, peer, tag, timeout_s);
-          f = e.wait_release(id);
+          f = e.wait_release(e.post(is_send, data, nbytes, dtype, shape, peer, tag, timeout_s));
         }
         return finished_tuple(f);
       }, py::arg("is_send"), py::arg("data"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"), py::arg("peer"),
@@ -250,9 +257,8 @@ PYBIND11_MODULE(_C, m) {
         std::vector<uint8_t> out(nbytes ? nbytes : 1, 1), back(nbytes ? nbytes : 1, 0);
         const std::vector<int64_t> shape{static_cast<int64_t>(nbytes)};
         auto once = [&](bool send) {
-          uint64_t id = send ? e.isend(reinterpret_cast<uintptr_t>(out.data()), nbytes, 0, shape, peer, tag, 60)
-                             : e.irecv(reinterpret_cast<uintptr_t>(back.data()), nbytes, 0, shape, peer, tag, 60);
-          Finished f = e.wait_release(id);
+          auto data = reinterpret_cast<uintptr_t>(send ? out.data() : back.data());
+          Finished f = e.wait_release(e.post(send, data, nbytes, 0, shape, peer, tag, 60));
           if (f.state != static_cast<int>(ReqState::Done)) throw TransportError("ping_pong: " + f.message);
         };
         const auto started = Clock::now();
@@ -280,8 +286,7 @@ PYBIND11_MODULE(_C, m) {
         int posted = 0;
         auto post = [&] {
           auto data = reinterpret_cast<uintptr_t>(buffers[posted % window].data());
-          in_flight.push_back(sender ? e.isend(data, nbytes, 0, shape, peer, tag, 60)
-                                     : e.irecv(data, nbytes, 0, shape, peer, tag, 60));
+          in_flight.push_back(e.post(sender, data, nbytes, 0, shape, peer, tag, 60));
           ++posted;
         };
         while (posted < iters && posted < window) post();
@@ -291,7 +296,7 @@ PYBIND11_MODULE(_C, m) {
           if (posted < iters) post();
         }
         const auto ack_ptr = reinterpret_cast<uintptr_t>(&ack);
-        check(sender ? e.irecv(ack_ptr, 1, 0, one, peer, tag + 1, 60) : e.isend(ack_ptr, 1, 0, one, peer, tag + 1, 60));
+        check(e.post(!sender, ack_ptr, 1, 0, one, peer, tag + 1, 60));
         return std::chrono::duration<double>(Clock::now() - started).count();
       }, py::arg("peer"), py::arg("nbytes"), py::arg("iters"), py::arg("window"), py::arg("sender"), py::arg("tag"))
       // Fast paths of the wrapper's send/recv and isend/irecv for a plain CPU tensor (see
@@ -299,28 +304,23 @@ PYBIND11_MODULE(_C, m) {
       // (error_kind, message) when failed; both return False for arguments they do not take.
       .def("post_plain", [](Engine& e, bool is_send, py::handle tensor, py::handle peer, py::handle tag,
                             double timeout_s) -> py::object {
-        PlainTensor t;
-        int64_t p = 0, g = 0;
-        if (!plain_post(tensor, peer, tag, t, &p, &g)) return py::bool_(false);
+        PlainPost args;
+        if (!plain_post(tensor, peer, tag, args)) return py::bool_(false);
         uint64_t id;
         {
           py::gil_scoped_release nogil;
-          id = is_send ? e.isend(t.data, t.nbytes, t.dtype, t.shape, static_cast<int>(p), g, timeout_s)
-                       : e.irecv(t.data, t.nbytes, t.dtype, t.shape, static_cast<int>(p), g, timeout_s);
+          id = args.post(e, is_send, timeout_s);
         }
         return py::int_(id);
       })
       .def("plain_transfer", [](Engine& e, bool is_send, py::handle tensor, py::handle peer, py::handle tag,
                                 double timeout_s) -> py::object {
-        PlainTensor t;
-        int64_t p = 0, g = 0;
-        if (!plain_post(tensor, peer, tag, t, &p, &g)) return py::bool_(false);
+        PlainPost args;
+        if (!plain_post(tensor, peer, tag, args)) return py::bool_(false);
         Finished f;
         {
           py::gil_scoped_release nogil;
-          uint64_t id = is_send ? e.isend(t.data, t.nbytes, t.dtype, t.shape, static_cast<int>(p), g, timeout_s)
-                                : e.irecv(t.data, t.nbytes, t.dtype, t.shape, static_cast<int>(p), g, timeout_s);
-          f = e.wait_release(id);
+          f = e.wait_release(args.post(e, is_send, timeout_s));
         }
         if (f.state == static_cast<int>(ReqState::Done)) return py::none();
         return py::make_tuple(f.error_kind, f.message);

@@ -102,6 +102,19 @@ static_assert(kHeaderFixedBytes % 8 == 0, "the compact header must keep payloads
 inline size_t compact_header_bytes(uint32_t ndim) {
   return kHeaderFixedBytes + sizeof(int64_t) * (ndim < static_cast<uint32_t>(kMaxDims) ? ndim : kMaxDims);
 }
+// Writes `h` compactly at `dst`; returns the bytes written (the payload goes right after).
+inline size_t write_compact_header(void* dst, const CtrlHeader& h) {
+  const size_t n = compact_header_bytes(h.ndim);
+  std::memcpy(dst, &h, n);
+  return n;
+}
+// Reads a compact header at `src` into `h`; returns its size (where the payload starts).
+inline size_t read_compact_header(const void* src, CtrlHeader& h) {
+  std::memcpy(static_cast<void*>(&h), src, kHeaderFixedBytes);
+  const size_t n = compact_header_bytes(h.ndim);
+  std::memcpy(h.shape, static_cast<const char*>(src) + kHeaderFixedBytes, n - kHeaderFixedBytes);
+  return n;
+}
 
 // Failure record handed to Python when a request finishes.
 struct Finished {

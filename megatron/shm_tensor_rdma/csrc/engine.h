@@ -65,6 +65,12 @@ class Engine : public EngineSink {
                  int64_t tag, double timeout_s);
   uint64_t irecv(uintptr_t data, uint64_t nbytes, uint32_t dtype, const std::vector<int64_t>& shape, int src,
                  int64_t tag, double timeout_s);
+  // isend or irecv.
+  uint64_t post(bool is_send, uintptr_t data, uint64_t nbytes, uint32_t dtype, const std::vector<int64_t>& shape,
+                int peer, int64_t tag, double timeout_s) {
+    return is_send ? isend(data, nbytes, dtype, shape, peer, tag, timeout_s)
+                   : irecv(data, nbytes, dtype, shape, peer, tag, timeout_s);
+  }
 
   // -1 when `id` was already released (reported); else a ReqState value.
   int state(uint64_t id);
@@ -105,22 +111,19 @@ class Engine : public EngineSink {
     std::vector<uint8_t> bytes;
     void store(const CtrlHeader& h, const uint8_t* payload, std::vector<uint8_t>&& buffer) {
       bytes = std::move(buffer);
-      const size_t head = compact_header_bytes(h.ndim);
       const size_t tail = h.type == static_cast<uint32_t>(MsgType::Eager) ? h.payload_bytes : 0;
-      bytes.resize(head + tail);
-      std::memcpy(bytes.data(), &h, head);
+      bytes.resize(compact_header_bytes(h.ndim) + tail);
+      const size_t head = write_compact_header(bytes.data(), h);
       if (tail) std::memcpy(bytes.data() + head, payload, tail);
     }
     CtrlHeader header() const {
       CtrlHeader h;
-      std::memcpy(static_cast<void*>(&h), bytes.data(), kHeaderFixedBytes);
-      std::memcpy(h.shape, bytes.data() + kHeaderFixedBytes, compact_header_bytes(h.ndim) - kHeaderFixedBytes);
+      read_compact_header(bytes.data(), h);
       return h;
     }
     const uint8_t* payload() const {
       CtrlHeader h;
-      std::memcpy(static_cast<void*>(&h), bytes.data(), kHeaderFixedBytes);
-      return bytes.data() + compact_header_bytes(h.ndim);
+      return bytes.data() + read_compact_header(bytes.data(), h);
     }
   };
   // Payload buffers of consumed arrivals, reused: an eager message that arrives before its

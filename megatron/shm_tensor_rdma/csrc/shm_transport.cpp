@@ -134,8 +134,9 @@ void ShmChannel::ring_peer_doorbell(bool wake_always, bool eager) {
   // A caller asleep in wait/wait_any will not poll again by itself, however recently it polled.
   bool wake = wake_always;
   if (!wake && peer_header_->pollers.load(std::memory_order_seq_cst) == 0) {
-    if (eager || peer_header_->blocked.load(std::memory_order_seq_cst) > 0) {
-      wake = peer_header_->blocked.load(std::memory_order_seq_cst) > 0;
+    const bool peer_blocked = peer_header_->blocked.load(std::memory_order_seq_cst) > 0;
+    if (eager || peer_blocked) {
+      wake = peer_blocked;
     } else if (peer_polled_recently()) {
       owed_wake_.store(true, std::memory_order_relaxed);
     } else {
@@ -169,8 +170,7 @@ bool ShmChannel::try_push_ctrl(const CtrlHeader& h, const void* payload) {
   uint32_t pos = 0;
   if (!out_ctrl_.try_claim(&pos)) return false;
   char* slot = out_ctrl_.payload(pos);
-  const size_t header_bytes = compact_header_bytes(h.ndim);
-  std::memcpy(slot, &h, header_bytes);
+  const size_t header_bytes = write_compact_header(slot, h);
   if (h.payload_bytes) std::memcpy(slot + header_bytes, payload, h.payload_bytes);
   out_ctrl_.publish(pos, static_cast<uint32_t>(header_bytes + h.payload_bytes));
   // Pulled and Nack only settle a request the peer already posted: like an eager message,
@@ -336,9 +336,7 @@ bool ShmChannel::poll_ctrl() {
     if (!in_ctrl_.try_take(&pos)) break;
     const char* slot = in_ctrl_.payload(pos);
     CtrlHeader h;
-    std::memcpy(static_cast<void*>(&h), slot, kHeaderFixedBytes);  // the shape follows: only ndim entries
-    const size_t header_bytes = compact_header_bytes(h.ndim);
-    std::memcpy(h.shape, slot + kHeaderFixedBytes, header_bytes - kHeaderFixedBytes);
+    const size_t header_bytes = read_compact_header(slot, h);
     sink_.on_ctrl(peer_, h, reinterpret_cast<const uint8_t*>(slot + header_bytes));
     in_ctrl_.release(pos);
     any = true;

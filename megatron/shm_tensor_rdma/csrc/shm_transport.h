@@ -152,7 +152,8 @@ class ShmDomain {
   // One pass over all inbound rings; any thread may call it (waiting callers do, so a reply
   // is consumed without waking a receive thread first). True when something was consumed.
   bool progress_once();
-  // Delivers the wake-ups our channels owe their peers (see ShmChannel::nudge).
+  // Pushes control messages our channels queued on a full ring and delivers the wake-ups they
+  // owe their peers (see ShmChannel::nudge).
   void nudge_peers();
   // Brackets a caller's busy-polling. While one polls, producers skip the doorbell wake-up
   // (a syscall, and on few cores a context switch that preempts the poller).
