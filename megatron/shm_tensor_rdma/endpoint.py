@@ -9,6 +9,7 @@ import math
 import os
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,6 +18,7 @@ from typing import Iterable, Sequence
 import torch
 
 from . import _C
+from .cuda_ipc import CudaIpc, device_key
 from .dtypes import dtype_code, dtype_names, known_codes
 from .errors import EndpointClosedError, PeerError, TransferTimeout, TransportError, error_for
 from .host import default_host, host_key
@@ -25,6 +27,7 @@ from .staging import PinnedPool
 _TRANSPORTS = ("shm", "verbs", "tcp")
 _INT64 = (-(2**63), 2**63 - 1)
 _PENDING, _DONE, _FAILED = 0, 1, 2
+_DEVICE_COPY = 6  # a finished receive whose bytes wait in the sender's GPU memory (ErrorKind::DeviceCopy)
 # The core reads a plain CPU tensor's pointer, size, dtype and shape itself (the fast path of
 # send/recv/isend/irecv); everything else goes through the checks below.
 _C.set_torch_refs(torch.Tensor, *known_codes())
@@ -56,6 +59,7 @@ class EndpointConfig:
     connect_timeout: float = 120.0
     bind_host: str = "0.0.0.0"
     host_key: str | None = None    # None: boot id + network namespace (see host.host_key)
+    cuda_ipc: bool = True          # CUDA tensors to same-host peers that see the GPU: IPC handle, no staging
 
     def validate(self) -> None:
         unknown = set(self.transports) - set(_TRANSPORTS)
@@ -130,8 +134,8 @@ class Handle:
                         endpoint._handles.pop(self.id, None)
                         self._wire = None
                         self._state = _DONE
-                    elif self._state == _PENDING and failed[1] == _FAILED:
-                        endpoint._settle(self, _FAILED, failed[2], failed[3])
+                    elif self._state == _PENDING and failed[1] in (_DONE, _FAILED):
+                        endpoint._settle(self, failed[1], failed[2], failed[3])
             if self._state == _PENDING:
                 endpoint._wait_handle(self, timeout)
         if self._error is not None:
@@ -222,6 +226,14 @@ class Endpoint:
         cfg.verbs_device = c.verbs_device
         cfg.single_copy = bool(c.single_copy)
         cfg.dtype_names = dtype_names()
+        # The GPUs this process can open peers' IPC handles on, told to every peer when connecting
+        # as "<pid>/<uuid>,<uuid>..." (a process cannot open its own handles: same-process peers stage).
+        gpus = device_key() if c.cuda_ipc else ""
+        self._device_key = f"{os.getpid()}/{gpus}" if gpus else ""
+        cfg.device_key = self._device_key
+        self._ipc = CudaIpc()
+        self._ipc_peers: dict[int, frozenset[str]] = {}  # shm peer -> GPU UUIDs it opens handles on
+        self._ipc_unusable: str | None = None  # why this process's tensors cannot be exported
         self._engine = _C.Engine(cfg)
         self._lock = threading.Lock()
         self._handles: dict[int, Handle] = {}
@@ -242,6 +254,11 @@ class Endpoint:
             self.close()
             raise
         self.addresses = tuple(addresses)
+        if self._device_key:
+            for peer in range(self.world_size):
+                pid, _, gpus = (self._engine.peer_device_key(peer) if peer != self.rank else "").partition("/")
+                if gpus and pid != str(os.getpid()) and self._engine.transport_of(peer) == "shm":
+                    self._ipc_peers[peer] = frozenset(gpus.split(","))
         self._connected = True
         self._plain_transfer, self._post_plain = self._engine.plain_transfer, self._engine.post_plain
         self._wait_done = self._engine.wait_done
@@ -267,6 +284,10 @@ class Endpoint:
                     return handle
         self._check_open("isend")
         _check_tensor(tensor, "isend")
+        if tensor.is_cuda and dst in self._ipc_peers and tensor.numel():
+            handle = self._post_device(tensor, dst, tag, timeout)
+            if handle is not None:
+                return handle
         wire = tensor
         if not tensor.is_cpu:
             wire = self._pinned.take(tensor.shape, tensor.dtype)
@@ -330,6 +351,10 @@ class Endpoint:
             if failed is None:
                 return out
             if failed is not False:
+                if failed[0] == _DEVICE_COPY:
+                    failed = self._copy_device_message(out, src, failed[1])
+                    if failed is None:
+                        return out
                 raise error_for(failed[0], failed[1], src)
         if type(out) is not torch.Tensor or not (out.is_cpu and out.is_contiguous()):
             return self.irecv(out, src, tag, timeout=timeout, device=device).wait()
@@ -349,6 +374,11 @@ class Endpoint:
         _, state, kind, message = self._engine.transfer(
             is_send, tensor.data_ptr(), tensor.nbytes, dtype_code(tensor.dtype), list(tensor.shape), peer, tag,
             self._timeout_seconds(timeout))
+        if state == _DONE and kind == _DEVICE_COPY:
+            failed = self._copy_device_message(tensor, peer, message)
+            if failed is None:
+                return
+            state, (kind, message) = _FAILED, failed
         if state != _DONE:
             raise error_for(kind, message, peer)
 
@@ -367,6 +397,75 @@ class Endpoint:
             handle = Handle(self, request_id, "send" if is_send else "recv", peer, tag, tensor, wire)
             self._handles[request_id] = handle
         return handle
+
+    def _post_device(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float | None | _Default) -> Handle | None:
+        """Sends a CUDA tensor by IPC handle (None: stage it through host memory instead)."""
+        if self._ipc_unusable is not None:
+            return None
+        dst, tag = _check_int(dst, "dst"), _check_int(tag, "tag")
+        if not _INT64[0] <= tag <= _INT64[1]:
+            raise ValueError(f"tag must fit in a signed 64-bit integer, got {tag}")
+        seconds = self._timeout_seconds(timeout)
+        source = tensor if tensor.is_contiguous() else tensor.contiguous()
+        if self._ipc.uuid_of(source) not in self._ipc_peers[dst]:
+            return None  # the peer does not see this GPU
+        try:
+            descriptor = self._ipc.export(source)
+        except RuntimeError as e:
+            self._ipc_unusable = str(e)
+            warnings.warn(f"shm_tensor_rdma rank {self.rank}: CUDA tensors are staged through host memory from "
+                          f"now on, because their memory cannot be shared by IPC handle: {e}", RuntimeWarning,
+                          stacklevel=3)
+            return None
+        with self._lock:
+            request_id = self._engine.isend_device(descriptor, source.nbytes, dtype_code(source.dtype),
+                                                   list(source.shape), dst, tag, seconds)
+            handle = self._handles[request_id] = Handle(self, request_id, "send", dst, tag, tensor, source)
+        return handle
+
+    def _copy_device_message(self, out: torch.Tensor, peer: int, message: str) -> tuple[int, str] | None:
+        """Copies a message out of the sender's GPU memory into `out` and tells the sender
+        (its request finishes then). None when done, else (error kind, message)."""
+        send_id, descriptor = message.split(" ", 1)
+        engine = self._engine
+        try:
+            self._ipc.copy_in(descriptor, out)
+        except Exception as e:  # noqa: BLE001 - any failure fails both sides, with its text
+            reason = f"CUDA IPC copy from rank {peer} failed: {e}"
+            if engine is not None:
+                try:
+                    engine.device_done(peer, int(send_id), False, reason)
+                except (_C.TransportError, ValueError):
+                    pass
+            return 5, (f"rank {self.rank}: {reason}; EndpointConfig(cuda_ipc=False) on the sending rank "
+                       f"stages its CUDA tensors through host memory instead")
+        if engine is not None:
+            try:
+                engine.device_done(peer, int(send_id), True, "")
+            except _C.TransportError:
+                pass  # closed meanwhile: the peer sees the goodbye
+        return None
+
+    def device_path(self, peer: int) -> str:
+        """How CUDA tensors move to `peer`: "CUDA IPC" (device to device, no host copy) or
+        "host staging (<why not IPC>)"."""
+        self._check_open("device_path")
+        peer = _check_int(peer, "peer")
+        if peer in self._ipc_peers and self._ipc_unusable is None:
+            return "CUDA IPC"
+        if not self._config.cuda_ipc:
+            why = "cuda_ipc=False here"
+        elif not self._device_key:
+            why = "no GPU visible here"
+        elif self._ipc_unusable is not None:
+            why = self._ipc_unusable
+        elif self.transport(peer) != "shm":
+            why = f"rank {peer} is reached over {self.transport(peer)}"
+        elif self._engine.peer_device_key(peer).partition("/")[0] == str(os.getpid()):
+            why = f"rank {peer} is an endpoint of this process"
+        else:
+            why = f"rank {peer} sees no GPU or has cuda_ipc=False"
+        return f"host staging ({why})"
 
     def _timeout_seconds(self, timeout: float | None | _Default) -> float:
         if timeout is DEFAULT:
@@ -433,7 +532,8 @@ class Endpoint:
         their bytes moved -- "eager" (whole with the header), "copied" (by the transport: the
         shared-memory ring, TCP, RDMA), "read" (single copy, the receiver read the sender's
         buffer), "written" (single copy, the sender wrote the receiver's buffer) -- and
-        "wakeups", the times this endpoint woke a peer's receive thread (a system call each)."""
+        "device" (CUDA IPC: the receiver copied out of the sender's GPU memory), and "wakeups", the
+        times this endpoint woke a peer's receive thread (a system call each)."""
         self._check_open("stats")
         return dict(self._engine.stats())
 
@@ -449,11 +549,17 @@ class Endpoint:
     def _settle(self, handle: Handle, state: int, kind: int, message: str) -> None:
         """Records the outcome and lets go of the memory (called with the lock held)."""
         self._handles.pop(handle.id, None)
+        if state == _DONE and kind == _DEVICE_COPY:  # a receive from a peer's GPU memory
+            failed = self._copy_device_message(handle.tensor, handle.peer, message)
+            if failed is not None:
+                state, (kind, message) = _FAILED, failed
         if state == _FAILED:
             handle._error = error_for(kind, message, handle.peer)
+        elif kind == _DEVICE_COPY:
+            pass
         elif handle.kind == "recv" and handle._wire is not handle.tensor:
             handle.tensor.copy_(handle._wire)  # a CUDA receive: one copy out of the staging buffer
-        if handle._wire is not handle.tensor:
+        if handle._wire is not handle.tensor and handle._wire.is_cpu:
             self._pinned.give(handle._wire)
         handle._wire = None
         handle._state = state
@@ -513,6 +619,7 @@ class Endpoint:
             for handle in list(self._handles.values()):
                 self._settle(handle, _FAILED, 4, f"rank {self.rank}: endpoint closed")
         self._engine = None
+        self._ipc.close()
         _OPEN.discard(self)
 
     def __enter__(self) -> "Endpoint":

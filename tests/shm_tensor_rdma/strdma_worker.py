@@ -360,7 +360,108 @@ def scenario_copy_paths(ep: Endpoint, args, checks: Checks) -> None:
     barrier(ep, 97)
 
 
-SCENARIOS = {"basics": scenario_basics, "mesh": scenario_mesh, "dead_peer": scenario_dead_peer,
+# ------------------------------------------------------------------------------------ CUDA IPC
+
+def scenario_cuda_ipc(ep: Endpoint, args, checks: Checks) -> None:
+    """Two processes on one GPU: CUDA tensors move by IPC handle (no host copy), bit-exact for
+    every dtype and size, from views and non-contiguous tensors, into CUDA or host buffers;
+    host tensors into CUDA buffers still arrive (staged); a failed copy fails both sides."""
+    peer = 1 - ep.rank
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    checks.run("device_path", lambda: ep.device_path(peer))
+    cases = [(f"{str(d).split('.')[-1]}-{'x'.join(map(str, s)) or 'scalar'}", s, d)
+             for d in DTYPES for s in [(), (7,), (33, 65), (1 << 18,)]]
+    before = ep.stats()
+
+    def dtypes_and_sizes():
+        for i, (name, shape, dtype) in enumerate(cases):
+            want = pattern(700 + i, shape, dtype)
+            if ep.rank == 0:
+                ep.send(want.to(dev), 1, 1000 + i)
+            else:
+                got = ep.recv(torch.empty(shape, dtype=dtype, device=dev), 0, 1000 + i)
+                assert got.is_cuda and same_bits(got.cpu(), want), name
+        return f"{len(cases)} cases"
+    checks.run("dtypes_and_sizes", dtypes_and_sizes)
+
+    def views_and_host_buffers():
+        big = pattern(1, (3 << 20,), torch.float32)  # 12 MiB: one allocation, parts of it sent
+        if ep.rank == 0:
+            whole = big.to(dev)
+            handles = [ep.isend(whole[1000:2000], 1, 2000),  # a view at an offset into the allocation
+                       ep.isend(whole.view(1024, 3072).t(), 1, 2001),  # not contiguous: sent from a copy
+                       ep.isend(whole, 1, 2002),  # received into host memory
+                       ep.isend(big[:4096], 1, 2003)]  # a host tensor into a CUDA buffer: staged
+            ep.wait_all(handles, timeout=60)
+            return "sent"
+        a = ep.recv(torch.empty(1000, device=dev), 0, 2000)
+        b = ep.recv(torch.empty(3072, 1024, device=dev), 0, 2001)
+        c = ep.recv(torch.empty(3 << 20), 0, 2002)
+        d = ep.recv(torch.empty(4096, device=dev), 0, 2003)
+        assert torch.equal(a.cpu(), big[1000:2000]) and torch.equal(b.cpu(), big.view(1024, 3072).t())
+        assert torch.equal(c, big) and torch.equal(d.cpu(), big[:4096])
+        return "view, transposed, into host, from host: exact"
+    checks.run("views_and_host_buffers", views_and_host_buffers)
+
+    def reused_and_reallocated():
+        # One buffer sent 50 times with new contents (its handle opened once on the receiver),
+        # then buffers freed and allocated again (new allocations, new handles).
+        rounds = 50
+        if ep.rank == 0:
+            buf = torch.empty(1 << 20, device=dev)
+            for i in range(rounds):
+                buf.fill_(float(i))
+                ep.send(buf, 1, 3000 + i)
+            for i in range(10):
+                fresh = torch.full((1 << 20,), float(-i), device=dev)
+                ep.send(fresh, 1, 3100 + i)
+                del fresh
+                torch.cuda.empty_cache()
+            return "sent"
+        out = torch.empty(1 << 20, device=dev)
+        for i in range(rounds):
+            assert bool((ep.recv(out, 0, 3000 + i) == float(i)).all()), f"round {i}"
+        for i in range(10):
+            assert bool((ep.recv(out, 0, 3100 + i) == float(-i)).all()), f"reallocated {i}"
+        return f"{rounds} reuses, 10 reallocations"
+    checks.run("reused_and_reallocated", reused_and_reallocated)
+
+    def many_in_flight():
+        count = 32
+        if ep.rank == 0:
+            sends = [ep.isend(torch.full((1 << 16,), float(i), device=dev), 1, 4000 + i) for i in range(count)]
+            ep.wait_all(sends, timeout=60)
+            return "sent"
+        recvs = [ep.irecv(((1 << 16,), torch.float32), 0, 4000 + i, device=dev) for i in reversed(range(count))]
+        finished = []
+        while len(finished) < count:
+            finished += ep.wait_any(30)
+        for h in recvs:
+            assert bool((h.tensor == float(h.tag - 4000)).all()), h
+        return f"{count} in flight, taken by wait_any"
+    checks.run("many_in_flight", many_in_flight)
+
+    def mismatch():
+        if ep.rank == 0:
+            try:
+                ep.send(torch.ones(10, device=dev), 1, 5000)
+            except TensorMismatchError as e:
+                return str(e)
+            raise AssertionError("the send did not fail")
+        try:
+            ep.recv(torch.empty(11, device=dev), 0, 5000)
+        except TensorMismatchError as e:
+            return str(e)
+        raise AssertionError("the receive did not fail")
+    checks.run("mismatch", mismatch)
+    barrier(ep, 96)
+    after = ep.stats()
+    checks.run("paths", lambda: {k: after[k] - before[k] for k in after})
+    barrier(ep, 95)
+
+
+SCENARIOS = {"basics": scenario_basics, "cuda_ipc": scenario_cuda_ipc, "mesh": scenario_mesh, "dead_peer": scenario_dead_peer,
              "exchange": scenario_exchange, "copy_paths": scenario_copy_paths}
 
 
@@ -377,9 +478,10 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=1000)
     parser.add_argument("--hosts", type=int, default=0, help="pretend the ranks are spread over this many hosts")
     parser.add_argument("--two-copies", action="store_true", help="single copy off (EndpointConfig.single_copy)")
+    parser.add_argument("--no-cuda-ipc", action="store_true", help="EndpointConfig.cuda_ipc=False")
     args = parser.parse_args()
     config = EndpointConfig(transports=tuple(args.transports.split(",")), transfer_timeout=60, connect_timeout=30,
-                            single_copy=not args.two_copies)
+                            single_copy=not args.two_copies, cuda_ipc=not args.no_cuda_ipc)
     if args.hosts:
         # Consecutive ranks share a host key, so they use shared memory; the rest use TCP.
         config.host_key = f"{args.job_id}-host{args.rank * args.hosts // args.world_size}"

@@ -274,7 +274,7 @@ def test_copy_path_and_stats_say_how_large_messages_moved():
             sent, received = a.stats(), b.stats()
             large = "read" if single_copy else "copied"
             assert sent[large] == received[large] == 1 and sent["eager"] == received["eager"] == 1, (sent, received)
-            assert set(sent) == {"eager", "copied", "read", "written", "wakeups"}
+            assert set(sent) == {"eager", "copied", "read", "written", "device", "wakeups"}
         finally:
             a.close()
             b.close()

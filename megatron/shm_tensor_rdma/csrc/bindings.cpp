@@ -180,7 +180,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("allow_tcp", &EngineConfig::allow_tcp)
       .def_readwrite("allow_verbs", &EngineConfig::allow_verbs)
       .def_readwrite("verbs_device", &EngineConfig::verbs_device)
-      .def_readwrite("dtype_names", &EngineConfig::dtype_names);
+      .def_readwrite("dtype_names", &EngineConfig::dtype_names)
+      .def_readwrite("device_key", &EngineConfig::device_key);
 
   auto released = py::call_guard<py::gil_scoped_release>();
   py::class_<Engine>(m, "Engine")
@@ -192,6 +193,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("dst"), py::arg("tag"), py::arg("timeout_s"), released)
       .def("irecv", &Engine::irecv, py::arg("data"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"),
            py::arg("src"), py::arg("tag"), py::arg("timeout_s"), released)
+      .def("isend_device", &Engine::isend_device, py::arg("descriptor"), py::arg("nbytes"), py::arg("dtype"),
+           py::arg("shape"), py::arg("dst"), py::arg("tag"), py::arg("timeout_s"), released)
+      .def("device_done", &Engine::device_done, py::arg("peer"), py::arg("send_id"), py::arg("ok"), py::arg("reason"),
+           released)
+      .def("peer_device_key", &Engine::peer_device_key, py::arg("peer"))
       .def("state", &Engine::state, py::arg("id"), released)
       .def("wait", &Engine::wait, py::arg("id"), py::arg("timeout_s"), released)
       .def("wait_take", [](Engine& e, uint64_t id, double timeout_s) {
@@ -203,15 +209,15 @@ PYBIND11_MODULE(_C, m) {
         return finished_tuple(f);
       }, py::arg("id"), py::arg("timeout_s"))
       // Handle.wait's fast path: waits without a limit and takes the outcome; None when the
-      // transfer succeeded, else what wait_take returns (a failure, or -1 for an id another
-      // thread's poll() took first).
+      // transfer succeeded, else what wait_take returns (a failure, a receive whose bytes the
+      // caller copies out of a peer's GPU memory, or -1 for an id another thread's poll() took first).
       .def("wait_done", [](Engine& e, uint64_t id) -> py::object {
         Finished f;
         {
           py::gil_scoped_release nogil;
           f = e.wait_release(id);
         }
-        if (f.state == static_cast<int>(ReqState::Done)) return py::none();
+        if (f.state == static_cast<int>(ReqState::Done) && f.error_kind == 0) return py::none();
         return finished_tuple(f);
       }, py::arg("id"))
       .def("release", [](Engine& e, uint64_t id) {
@@ -301,7 +307,8 @@ PYBIND11_MODULE(_C, m) {
       }, py::arg("peer"), py::arg("nbytes"), py::arg("iters"), py::arg("window"), py::arg("sender"), py::arg("tag"))
       // Fast paths of the wrapper's send/recv and isend/irecv for a plain CPU tensor (see
       // plain_cpu_tensor). post_plain returns the request id, plain_transfer None when done or
-      // (error_kind, message) when failed; both return False for arguments they do not take.
+      // (error_kind, message) when failed or left to the caller to copy (DeviceCopy); both
+      // return False for arguments they do not take.
       .def("post_plain", [](Engine& e, bool is_send, py::handle tensor, py::handle peer, py::handle tag,
                             double timeout_s) -> py::object {
         PlainPost args;
@@ -322,7 +329,7 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release nogil;
           f = e.wait_release(args.post(e, is_send, timeout_s));
         }
-        if (f.state == static_cast<int>(ReqState::Done)) return py::none();
+        if (f.state == static_cast<int>(ReqState::Done) && f.error_kind == 0) return py::none();
         return py::make_tuple(f.error_kind, f.message);
       })
       .def("in_flight", &Engine::in_flight, released)

@@ -97,7 +97,7 @@ std::string Hello::encode() const {
   std::ostringstream out;
   out << "job_id=" << job_id << "\nrank=" << rank << "\nworld_size=" << world_size << "\nhost_key=" << host_key
       << "\nunix_name=" << unix_name << "\nallow_shm=" << allow_shm << "\nallow_tcp=" << allow_tcp
-      << "\nverbs=" << verbs << "\nverbs_info=" << verbs_info << "\nendian=" << 0x01020304u << "\n";
+      << "\nverbs=" << verbs << "\nverbs_info=" << verbs_info << "\ndevice_key=" << device_key << "\nendian=" << 0x01020304u << "\n";
   return out.str();
 }
 
@@ -122,6 +122,7 @@ Hello Hello::decode(const std::string& text) {
   h.allow_tcp = to_bool(kv["allow_tcp"]);
   h.verbs = to_bool(kv["verbs"]);
   h.verbs_info = kv["verbs_info"];
+  h.device_key = kv["device_key"];
   return h;
 }
 

@@ -21,6 +21,7 @@ struct Hello {
   bool allow_tcp = true;
   bool verbs = false;      // an RDMA device is open and usable on this rank
   std::string verbs_info;  // verbs: device/port description (diagnostics)
+  std::string device_key;  // GPUs on which this rank opens CUDA IPC handles ("" for none)
 
   std::string encode() const;
   static Hello decode(const std::string& text);

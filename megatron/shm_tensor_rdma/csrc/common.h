@@ -23,7 +23,11 @@ namespace strdma {
 using Clock = std::chrono::steady_clock;
 
 // Why a request failed; the Python wrapper maps each kind to an exception class.
-enum class ErrorKind : uint32_t { None = 0, PeerGone = 1, Timeout = 2, Mismatch = 3, Closed = 4, Internal = 5 };
+enum class ErrorKind : uint32_t { None = 0, PeerGone = 1, Timeout = 2, Mismatch = 3, Closed = 4, Internal = 5,
+                                  // Not a failure: a receive matched a device message, and its bytes are still in
+                                  // the sender's GPU memory. The request is Done; its `error` holds the sender's
+                                  // request id and the IPC descriptor, and the caller copies (see device_done).
+                                  DeviceCopy = 6 };
 enum class ReqState : int { Pending = 0, Done = 1, Failed = 2 };
 
 // A bad argument at the API boundary (bindings raise ValueError).
@@ -68,6 +72,8 @@ enum class MsgType : uint32_t {
   Bye = 6,    // the sender closes its endpoint; nothing follows
   Pulled = 7, // shm single copy: the receiver read the whole message out of the sender's memory
   Pushed = 8, // shm single copy: the sender wrote the whole message into the receiver's memory
+  DeviceRts = 9,   // shm, GPU memory: header as Rts, payload an IPC descriptor the receiver's caller opens
+  DeviceDone = 10, // the receiver's caller copied a DeviceRts message out of the sender's GPU memory
 };
 
 constexpr int kMaxDims = 32;

@@ -87,6 +87,7 @@ void Engine::connect(const std::vector<std::string>& addresses, double timeout_s
   me.allow_tcp = cfg_.allow_tcp;
   me.verbs = verbs_ != nullptr;
   me.verbs_info = verbs_ ? verbs_->describe() : "";
+  me.device_key = cfg_.device_key;
 
   std::vector<PeerConn> conns = connect_mesh(listen_fd_, me, addresses, deadline);
   auto close_all = [&] {
@@ -96,6 +97,9 @@ void Engine::connect(const std::vector<std::string>& addresses, double timeout_s
   try {
     std::vector<int> local;
     std::vector<char> use_verbs(cfg_.world_size, 0);
+    peer_device_keys_.assign(cfg_.world_size, "");
+    for (int p = 0; p < cfg_.world_size; ++p)
+      if (p != cfg_.rank) peer_device_keys_[p] = conns[p].hello.device_key;
     for (int p = 0; p < cfg_.world_size; ++p) {
       if (p == cfg_.rank) continue;
       const Hello& h = conns[p].hello;
@@ -185,10 +189,16 @@ std::string Engine::copy_path(int peer) {
   return kind == "shm" ? channels_[peer]->copy_path() : kind;
 }
 
+std::string Engine::peer_device_key(int peer) {
+  if (peer < 0 || peer >= cfg_.world_size)
+    throw ArgumentError("peer must be in [0, " + std::to_string(cfg_.world_size) + "), got " + std::to_string(peer));
+  return peer < static_cast<int>(peer_device_keys_.size()) ? peer_device_keys_[peer] : "";
+}
+
 std::map<std::string, uint64_t> Engine::stats() {
   std::lock_guard<std::mutex> lk(mu_);
   return {{"eager", finished_by_path_[0]}, {"copied", finished_by_path_[1]}, {"read", finished_by_path_[2]},
-          {"written", finished_by_path_[3]}, {"wakeups", shm_ ? shm_->wakeups() : 0}};
+          {"written", finished_by_path_[3]}, {"device", finished_by_path_[4]}, {"wakeups", shm_ ? shm_->wakeups() : 0}};
 }
 
 int Engine::state(uint64_t id) {

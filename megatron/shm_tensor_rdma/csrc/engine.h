@@ -47,6 +47,7 @@ struct EngineConfig {
   bool allow_verbs = true;
   std::string verbs_device;  // empty: first device with an active port
   std::map<uint32_t, std::string> dtype_names;  // for error messages only
+  std::string device_key;  // GPUs this process can open IPC handles on (told to peers; empty: none)
 };
 
 class Engine : public EngineSink {
@@ -71,6 +72,17 @@ class Engine : public EngineSink {
     return is_send ? isend(data, nbytes, dtype, shape, peer, tag, timeout_s)
                    : irecv(data, nbytes, dtype, shape, peer, tag, timeout_s);
   }
+
+  // A send whose bytes stay in this process's GPU memory: `descriptor` (an IPC handle the
+  // caller made) travels in a DeviceRts; the receiver's caller copies out of that memory and
+  // answers with device_done. Shared-memory peers only. The request finishes on that answer.
+  uint64_t isend_device(const std::string& descriptor, uint64_t nbytes, uint32_t dtype,
+                        const std::vector<int64_t>& shape, int dst, int64_t tag, double timeout_s);
+  // The receiver's answer to a DeviceRts: the copy is done (ok), or failed with `reason`
+  // (the sender's request fails with it).
+  void device_done(int peer, uint64_t send_id, bool ok, const std::string& reason);
+  // The device_key a peer announced when connecting ("" for none, or before connect).
+  std::string peer_device_key(int peer);
 
   // -1 when `id` was already released (reported); else a ReqState value.
   int state(uint64_t id);
@@ -111,7 +123,8 @@ class Engine : public EngineSink {
     std::vector<uint8_t> bytes;
     void store(const CtrlHeader& h, const uint8_t* payload, std::vector<uint8_t>&& buffer) {
       bytes = std::move(buffer);
-      const size_t tail = h.type == static_cast<uint32_t>(MsgType::Eager) ? h.payload_bytes : 0;
+      const bool carries = h.type == static_cast<uint32_t>(MsgType::Eager) || h.type == static_cast<uint32_t>(MsgType::DeviceRts);
+      const size_t tail = carries ? h.payload_bytes : 0;
       bytes.resize(compact_header_bytes(h.ndim) + tail);
       const size_t head = write_compact_header(bytes.data(), h);
       if (tail) std::memcpy(bytes.data() + head, payload, tail);
@@ -205,7 +218,8 @@ class Engine : public EngineSink {
   std::condition_variable done_cv_;
   std::unordered_map<uint64_t, std::shared_ptr<Request>> requests_;
   std::deque<uint64_t> completed_;
-  uint64_t finished_by_path_[4] = {};
+  uint64_t finished_by_path_[5] = {};
+  std::vector<std::string> peer_device_keys_;  // by rank, from the hello
   std::vector<PeerState> peers_;
   uint64_t next_id_ = 1;
   std::atomic<uint64_t> publications_{0};  // bumped on every publish, read without mu_

@@ -104,6 +104,57 @@ uint64_t Engine::isend(uintptr_t data, uint64_t nbytes, uint32_t dtype, const st
   return req->id;
 }
 
+uint64_t Engine::isend_device(const std::string& descriptor, uint64_t nbytes, uint32_t dtype,
+                              const std::vector<int64_t>& shape, int dst, int64_t tag, double timeout_s) {
+  check_ready("isend", dst, "dst");
+  Channel* ch = channels_[dst];
+  if (std::string(ch->kind()) != "shm")
+    throw ArgumentError("isend: GPU memory moves by IPC handle only to a peer on the same host (rank " +
+                        std::to_string(dst) + " is reached over " + ch->kind() + ")");
+  if (descriptor.empty() || descriptor.size() > ch->eager_limit())
+    throw ArgumentError("isend: an IPC descriptor must be 1.." + std::to_string(ch->eager_limit()) + " bytes, got " +
+                        std::to_string(descriptor.size()));
+  // No host bytes: the request only records what is sent; the caller keeps the GPU memory alive.
+  auto req = make_request(true, 0, 0, dtype, shape, dst, tag, timeout_s);
+  req->nbytes = nbytes;
+  std::lock_guard<std::mutex> lk(mu_);
+  req->id = next_id_++;
+  requests_[req->id] = req;
+  if (peers_[dst].gone) {
+    fail(req, ErrorKind::PeerGone, describe(*req) + " failed: " + peers_[dst].gone_reason);
+    return req->id;
+  }
+  CtrlHeader h;
+  h.type = static_cast<uint32_t>(MsgType::DeviceRts);
+  h.dtype = dtype;
+  h.tag = tag;
+  h.send_id = req->id;
+  h.nbytes = nbytes;
+  h.ndim = req->ndim;
+  std::copy(req->shape, req->shape + req->ndim, h.shape);
+  h.payload_bytes = static_cast<uint32_t>(descriptor.size());
+  ch->post_ctrl(h, descriptor.data());  // in posting order with the peer's other messages (see isend)
+  return req->id;
+}
+
+void Engine::device_done(int peer, uint64_t send_id, bool ok, const std::string& reason) {
+  check_ready("device_done", peer, "peer");
+  std::lock_guard<std::mutex> lk(mu_);
+  if (peers_[peer].gone) return;  // nobody left to tell
+  CtrlHeader h;
+  h.send_id = send_id;
+  if (ok) {
+    h.type = static_cast<uint32_t>(MsgType::DeviceDone);
+    channels_[peer]->post_ctrl(h, nullptr);
+    return;
+  }
+  h.type = static_cast<uint32_t>(MsgType::Nack);
+  h.error_kind = static_cast<uint32_t>(ErrorKind::Internal);
+  const std::string text = "rank " + std::to_string(cfg_.rank) + " could not copy the message: " + reason;
+  h.payload_bytes = static_cast<uint32_t>(std::min<size_t>(text.size(), channels_[peer]->eager_limit()));
+  channels_[peer]->post_ctrl(h, text.data());
+}
+
 uint64_t Engine::irecv(uintptr_t data, uint64_t nbytes, uint32_t dtype, const std::vector<int64_t>& shape, int src,
                        int64_t tag, double timeout_s) {
   check_ready("irecv", src, "src");
@@ -141,7 +192,7 @@ void Engine::accept_arrival(const std::shared_ptr<Request>& recv, const CtrlHead
                       ": the irecv expects " + dtype_name(recv->dtype) + " " + shape_text(recv->shape, recv->ndim) +
                       " (" + std::to_string(recv->nbytes) + " bytes) but the isend has " + dtype_name(h.dtype) + " " +
                       shape_text(h.shape, h.ndim) + " (" + std::to_string(h.nbytes) + " bytes)";
-    if (h.type == static_cast<uint32_t>(MsgType::Rts)) {
+    if (h.type == static_cast<uint32_t>(MsgType::Rts) || h.type == static_cast<uint32_t>(MsgType::DeviceRts)) {
       CtrlHeader nack;
       nack.type = static_cast<uint32_t>(MsgType::Nack);
       nack.tag = h.tag;
@@ -162,6 +213,14 @@ void Engine::accept_arrival(const std::shared_ptr<Request>& recv, const CtrlHead
   }
   if (peers_[recv->peer].gone_final) {
     fail(recv, ErrorKind::PeerGone, describe(*recv) + " failed: " + peers_[recv->peer].gone_reason);
+    return;
+  }
+  if (h.type == static_cast<uint32_t>(MsgType::DeviceRts)) {
+    // The bytes stay in the sender's GPU memory: done here, the caller copies them and answers.
+    recv->bytes_done = h.nbytes;
+    recv->error_kind = ErrorKind::DeviceCopy;
+    recv->error = std::to_string(h.send_id) + " " + std::string(reinterpret_cast<const char*>(payload), h.payload_bytes);
+    finish(recv, Path::Device);
     return;
   }
   Channel* ch = channels_[recv->peer];
@@ -222,7 +281,8 @@ void Engine::on_ctrl_locked(int peer, const CtrlHeader& h, const uint8_t* payloa
   PeerState& ps = peers_[peer];
   switch (static_cast<MsgType>(h.type)) {
     case MsgType::Eager:
-    case MsgType::Rts: {
+    case MsgType::Rts:
+    case MsgType::DeviceRts: {
       auto it = ps.posted.find(h.tag);
       if (it != ps.posted.end() && !it->second.empty()) {
         auto recv = it->second.front();
@@ -295,6 +355,15 @@ void Engine::on_ctrl_locked(int peer, const CtrlHeader& h, const uint8_t* payloa
           fail(r, kind, describe(*r) + " failed: " + reason);
           break;
         }
+      }
+      break;
+    }
+    case MsgType::DeviceDone: {  // the receiver copied out of our GPU memory
+      auto r = find(h.send_id);
+      if (r && r->is_send && r->peer == peer && r->state == ReqState::Pending) {
+        r->matched = true;
+        r->bytes_done = r->nbytes;
+        finish(r, Path::Device);
       }
       break;
     }
@@ -552,7 +621,11 @@ void Engine::fail_peer_requests(int peer) {
   for (auto it = ps.arrived.begin(); it != ps.arrived.end();) {
     auto& q = it->second;
     q.erase(std::remove_if(q.begin(), q.end(),
-                           [](const Arrival& a) { return a.header().type == static_cast<uint32_t>(MsgType::Rts); }),
+                           [](const Arrival& a) {
+                             const uint32_t type = a.header().type;
+                             return type == static_cast<uint32_t>(MsgType::Rts) ||
+                                    type == static_cast<uint32_t>(MsgType::DeviceRts);
+                           }),
             q.end());
     it = q.empty() ? ps.arrived.erase(it) : std::next(it);
   }

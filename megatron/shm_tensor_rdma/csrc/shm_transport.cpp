@@ -173,10 +173,11 @@ bool ShmChannel::try_push_ctrl(const CtrlHeader& h, const void* payload) {
   const size_t header_bytes = write_compact_header(slot, h);
   if (h.payload_bytes) std::memcpy(slot + header_bytes, payload, h.payload_bytes);
   out_ctrl_.publish(pos, static_cast<uint32_t>(header_bytes + h.payload_bytes));
-  // Pulled and Nack only settle a request the peer already posted: like an eager message,
-  // the peer's next call consumes them.
+  // Pulled, Nack and DeviceDone only settle a request the peer already posted, and a DeviceRts
+  // carries all a receive needs: like an eager message, the peer's next call consumes them.
   const auto type = static_cast<MsgType>(h.type);
-  ring_peer_doorbell(false, type == MsgType::Eager || type == MsgType::Pulled || type == MsgType::Nack);
+  ring_peer_doorbell(false, type == MsgType::Eager || type == MsgType::Pulled || type == MsgType::Nack ||
+                                type == MsgType::DeviceRts || type == MsgType::DeviceDone);
   return true;
 }
 

@@ -14,7 +14,7 @@ namespace strdma {
 
 // How a finished transfer's bytes moved: whole with its header; copied by the transport
 // (shared-memory ring, TCP, RDMA); single copy, read by the receiver or written by the sender.
-enum class Path : uint8_t { Eager = 0, Copied = 1, Read = 2, Write = 3 };
+enum class Path : uint8_t { Eager = 0, Copied = 1, Read = 2, Write = 3, Device = 4 };
 
 // One posted isend or irecv. Fields above the line are fixed at creation; the rest are
 // guarded by the engine mutex.
