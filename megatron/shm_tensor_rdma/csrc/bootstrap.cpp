@@ -11,7 +11,6 @@
 #include <sys/un.h>
 
 #include <algorithm>
-#include <sstream>
 #include <thread>
 
 namespace strdma {
@@ -93,21 +92,40 @@ bool to_bool(const std::string& v) { return v == "1"; }
 
 }  // namespace
 
+// Built and parsed with plain string operations, not iostreams: in a process where PyTorch's
+// CUDA build was loaded first, formatting a number through an ostringstream crashed in the
+// locale's facets (seen on a GPU machine: a segmentation fault in every connect).
 std::string Hello::encode() const {
-  std::ostringstream out;
-  out << "job_id=" << job_id << "\nrank=" << rank << "\nworld_size=" << world_size << "\nhost_key=" << host_key
-      << "\nunix_name=" << unix_name << "\nallow_shm=" << allow_shm << "\nallow_tcp=" << allow_tcp
-      << "\nverbs=" << verbs << "\nverbs_info=" << verbs_info << "\ndevice_key=" << device_key << "\nendian=" << 0x01020304u << "\n";
-  return out.str();
+  std::string out;
+  auto put = [&out](const char* key, const std::string& value) {
+    out += key;
+    out += '=';
+    out += value;
+    out += '\n';
+  };
+  put("job_id", job_id);
+  put("rank", std::to_string(rank));
+  put("world_size", std::to_string(world_size));
+  put("host_key", host_key);
+  put("unix_name", unix_name);
+  put("allow_shm", allow_shm ? "1" : "0");
+  put("allow_tcp", allow_tcp ? "1" : "0");
+  put("verbs", verbs ? "1" : "0");
+  put("verbs_info", verbs_info);
+  put("device_key", device_key);
+  put("endian", std::to_string(0x01020304u));
+  return out;
 }
 
 Hello Hello::decode(const std::string& text) {
   std::map<std::string, std::string> kv;
-  std::istringstream in(text);
-  std::string line;
-  while (std::getline(in, line)) {
-    auto eq = line.find('=');
+  for (size_t start = 0; start < text.size();) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(start, end - start);
+    const auto eq = line.find('=');
     if (eq != std::string::npos) kv[line.substr(0, eq)] = line.substr(eq + 1);
+    start = end + 1;
   }
   if (kv.count("error")) throw TransportError(kv["error"]);
   if (kv["endian"] != std::to_string(0x01020304u))
