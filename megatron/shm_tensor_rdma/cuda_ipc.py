@@ -26,7 +26,20 @@ _OPEN_LIMIT = 64                  # handles a receiver keeps open (least recentl
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    # Unsigned bytes, not c_char: a c_char array field reads back only up to its first zero byte.
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
+
+
+def handle_hex(handle: _IpcHandle) -> str:
+    """The 64 bytes of a cudaIpcMemHandle_t as text (zero bytes included)."""
+    return bytes(handle.reserved).hex()
+
+
+def handle_from_hex(text: str) -> _IpcHandle:
+    raw = bytes.fromhex(text)
+    if len(raw) != 64:
+        raise ValueError(f"a CUDA IPC handle has 64 bytes, the descriptor carries {len(raw)}")
+    return _IpcHandle.from_buffer_copy(raw)
 
 
 def _loaded_library(stem: str) -> str | None:
@@ -75,9 +88,11 @@ class _Cuda:
 
 
 def device_key() -> str:
-    """UUIDs of the GPUs this process sees, comma-separated ("" without CUDA)."""
+    """UUIDs of the GPUs this process sees, comma-separated; "" without CUDA, and also while this
+    process has not initialized CUDA itself (set its device): an endpoint never creates a CUDA
+    context of its own, which would take memory on a GPU the process may not mean to use."""
     try:
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
             return ""
         return ",".join(str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count()))
     except (RuntimeError, AssertionError):  # a driver that fails to initialize: no IPC
@@ -98,6 +113,8 @@ class CudaIpc:
         self._exported: dict[tuple[int, int], tuple[int, str]] = {}  # (device, buffer id) -> (base, handle hex)
         # (uuid, handle hex) -> (mapped base, device index)
         self._opened: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
+        self._probe: torch.Tensor | None = None
+        self.probe_error: str | None = None  # why probe() made no descriptor
 
     def _lib(self) -> _Cuda:
         if self._cuda is None:
@@ -131,7 +148,7 @@ class CudaIpc:
                 handle = _IpcHandle()
                 cuda.check(cuda.rt.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base.value)),
                            "cudaIpcGetMemHandle")
-                known = (base.value, bytes(handle.reserved).hex())
+                known = (base.value, handle_hex(handle))
                 with self._lock:
                     if len(self._exported) >= 4 * _OPEN_LIMIT:
                         self._exported.clear()
@@ -142,7 +159,7 @@ class CudaIpc:
         """Copies the described bytes into `out` (contiguous, CUDA or host) and waits until the
         copy finished, so the sender may reuse its memory once told."""
         cuda = self._lib()
-        uuid, handle_hex, offset = descriptor.split(" ")
+        uuid, handle_text, offset = descriptor.split(" ")
         try:
             device = self._device_index(uuid)
         except ValueError:
@@ -150,27 +167,53 @@ class CudaIpc:
                                f"(CUDA_VISIBLE_DEVICES); its tensor cannot be opened here") from None
         nbytes = out.numel() * out.element_size()
         with torch.cuda.device(device):
-            base = self._open(cuda, uuid, handle_hex, device)
+            base = self._open(cuda, uuid, handle_text, device)
             stream = torch.cuda.current_stream(out.device if out.is_cuda else device)
             cuda.check(cuda.rt.cudaMemcpyAsync(ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(base + int(offset)),
                                                nbytes, _MEMCPY_DEFAULT, ctypes.c_void_p(stream.cuda_stream)),
                        "cudaMemcpyAsync from the sender's GPU memory")
             stream.synchronize()
 
+    def probe(self) -> str:
+        """The descriptor of a small buffer on this process's current GPU, which peers try to open
+        while connecting; "" (and `probe_error` set) when this process cannot export one."""
+        try:
+            self._probe = torch.zeros(1, dtype=torch.uint8, device=torch.cuda.current_device())
+            return self.export(self._probe)
+        except (RuntimeError, OSError, AttributeError) as e:
+            self._probe, self.probe_error = None, str(e)
+            return ""
+
+    def try_open(self, descriptor: str) -> str | None:
+        """None when a peer's probe descriptor opens in this process, else why it does not."""
+        uuid, handle_text, _ = descriptor.split(" ")
+        try:
+            device = self._device_index(uuid)
+        except ValueError:
+            return f"the GPU {uuid} is not visible to that process (CUDA_VISIBLE_DEVICES)"
+        try:
+            with torch.cuda.device(device):
+                self._open(self._lib(), uuid, handle_text, device)
+        except (RuntimeError, OSError, ValueError) as e:
+            return str(e)
+        return None
+
+    def drop_probe(self) -> None:
+        self._probe = None
+
     def _device_index(self, uuid: str) -> int:
         if self._uuids is None:
             self._uuids = device_key().split(",")
         return self._uuids.index(uuid)
 
-    def _open(self, cuda: _Cuda, uuid: str, handle_hex: str, device: int) -> int:
-        key = (uuid, handle_hex)
+    def _open(self, cuda: _Cuda, uuid: str, handle_text: str, device: int) -> int:
+        key = (uuid, handle_text)
         with self._lock:
             known = self._opened.get(key)
             if known is not None:
                 self._opened.move_to_end(key)
                 return known[0]
-        handle = _IpcHandle()
-        handle.reserved = bytes.fromhex(handle_hex)
+        handle = handle_from_hex(handle_text)
         mapped = ctypes.c_void_p()
         cuda.check(cuda.rt.cudaIpcOpenMemHandle(ctypes.byref(mapped), handle, _IPC_LAZY_ENABLE_PEER_ACCESS),
                    "cudaIpcOpenMemHandle")

@@ -28,6 +28,10 @@ _TRANSPORTS = ("shm", "verbs", "tcp")
 _INT64 = (-(2**63), 2**63 - 1)
 _PENDING, _DONE, _FAILED = 0, 1, 2
 _DEVICE_COPY = 6  # a finished receive whose bytes wait in the sender's GPU memory (ErrorKind::DeviceCopy)
+# The one tag the library uses itself: while connecting, same-host peers with GPUs tell each other
+# whether they could open the other's CUDA IPC probe handle (a _PROBE_BYTES message: why not, or empty).
+PROBE_TAG = -(2**63)
+_PROBE_BYTES = 512
 # The core reads a plain CPU tensor's pointer, size, dtype and shape itself (the fast path of
 # send/recv/isend/irecv); everything else goes through the checks below.
 _C.set_torch_refs(torch.Tensor, *known_codes())
@@ -226,14 +230,18 @@ class Endpoint:
         cfg.verbs_device = c.verbs_device
         cfg.single_copy = bool(c.single_copy)
         cfg.dtype_names = dtype_names()
-        # The GPUs this process can open peers' IPC handles on, told to every peer when connecting
-        # as "<pid>/<uuid>,<uuid>..." (a process cannot open its own handles: same-process peers stage).
-        gpus = device_key() if c.cuda_ipc else ""
-        self._device_key = f"{os.getpid()}/{gpus}" if gpus else ""
-        cfg.device_key = self._device_key
+        # The GPUs this process can open peers' IPC handles on and a probe handle for peers to try,
+        # told to every peer when connecting as "<pid>/<uuid>,<uuid>.../<probe descriptor>" (a
+        # process cannot open its own handles: peers in the same process stage).
         self._ipc = CudaIpc()
-        self._ipc_peers: dict[int, frozenset[str]] = {}  # shm peer -> GPU UUIDs it opens handles on
+        self._ipc_peers: dict[int, frozenset[str]] = {}  # shm peer -> GPU UUIDs it opens our handles on
+        self._ipc_refused: dict[int, str] = {}  # shm peer with GPUs -> why it cannot open our handles
         self._ipc_unusable: str | None = None  # why this process's tensors cannot be exported
+        gpus = device_key() if c.cuda_ipc else ""
+        self._device_key = f"{os.getpid()}/{gpus}/{self._ipc.probe()}" if gpus else ""
+        if self._ipc.probe_error is not None:
+            self._ipc_unusable = f"this process's CUDA memory cannot be shared by IPC handle: {self._ipc.probe_error}"
+        cfg.device_key = self._device_key
         self._engine = _C.Engine(cfg)
         self._lock = threading.Lock()
         self._handles: dict[int, Handle] = {}
@@ -254,14 +262,43 @@ class Endpoint:
             self.close()
             raise
         self.addresses = tuple(addresses)
-        if self._device_key:
-            for peer in range(self.world_size):
-                pid, _, gpus = (self._engine.peer_device_key(peer) if peer != self.rank else "").partition("/")
-                if gpus and pid != str(os.getpid()) and self._engine.transport_of(peer) == "shm":
-                    self._ipc_peers[peer] = frozenset(gpus.split(","))
         self._connected = True
         self._plain_transfer, self._post_plain = self._engine.plain_transfer, self._engine.post_plain
         self._wait_done = self._engine.wait_done
+        if self._device_key:
+            try:
+                self._agree_on_cuda_ipc()
+            except BaseException:
+                self.close()
+                raise
+
+    def _agree_on_cuda_ipc(self) -> None:
+        """Every same-host peer (in another process) with GPUs tries to open this process's probe
+        handle, and tells whether it could; CUDA tensors go by handle only to the peers that could."""
+        candidates: dict[int, tuple[frozenset[str], str]] = {}
+        for peer in range(self.world_size):
+            if peer == self.rank or self._engine.transport_of(peer) != "shm":
+                continue
+            pid, _, rest = self._engine.peer_device_key(peer).partition("/")
+            gpus, _, probe = rest.partition("/")
+            if gpus and pid != str(os.getpid()):
+                candidates[peer] = (frozenset(gpus.split(",")), probe)
+        sends, answers = [], {}
+        for peer, (_, probe) in candidates.items():
+            why = self._ipc.try_open(probe) if probe else "that process made no IPC handle"
+            text = (why or "").encode()[:_PROBE_BYTES]
+            message = torch.zeros(_PROBE_BYTES, dtype=torch.uint8)
+            message[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+            sends.append(self.isend(message, peer, PROBE_TAG))
+            answers[peer] = self.irecv(((_PROBE_BYTES,), torch.uint8), peer, PROBE_TAG)
+        self.wait_all(sends + list(answers.values()), timeout=self._config.connect_timeout)
+        for peer, answer in answers.items():
+            why = bytes(answer.tensor.tolist()).rstrip(b"\0").decode(errors="replace")
+            if why:
+                self._ipc_refused[peer] = why
+            else:
+                self._ipc_peers[peer] = candidates[peer][0]
+        self._ipc.drop_probe()
 
     # ------------------------------------------------------------------ posting
 
@@ -456,9 +493,13 @@ class Endpoint:
         if not self._config.cuda_ipc:
             why = "cuda_ipc=False here"
         elif not self._device_key:
-            why = "no GPU visible here"
+            why = ("no GPU visible here" if not torch.cuda.is_available() else
+                   "CUDA was not initialized in this process when the endpoint was created; "
+                   "call torch.cuda.set_device first")
         elif self._ipc_unusable is not None:
             why = self._ipc_unusable
+        elif peer in self._ipc_refused:
+            why = f"rank {peer} cannot open this process's CUDA IPC handles: {self._ipc_refused[peer]}"
         elif self.transport(peer) != "shm":
             why = f"rank {peer} is reached over {self.transport(peer)}"
         elif self._engine.peer_device_key(peer).partition("/")[0] == str(os.getpid()):

@@ -448,7 +448,9 @@ def scenario_cuda_ipc(ep: Endpoint, args, checks: Checks) -> None:
                 ep.send(torch.ones(10, device=dev), 1, 5000)
             except TensorMismatchError as e:
                 return str(e)
-            raise AssertionError("the send did not fail")
+            if ep.device_path(1) == "CUDA IPC":  # by handle the send waits for the receiver's verdict
+                raise AssertionError("the send did not fail")
+            return "staged: 40 bytes go eagerly, so the send finished before the receiver refused it"
         try:
             ep.recv(torch.empty(11, device=dev), 0, 5000)
         except TensorMismatchError as e:
@@ -461,7 +463,34 @@ def scenario_cuda_ipc(ep: Endpoint, args, checks: Checks) -> None:
     barrier(ep, 95)
 
 
-SCENARIOS = {"basics": scenario_basics, "cuda_ipc": scenario_cuda_ipc, "mesh": scenario_mesh, "dead_peer": scenario_dead_peer,
+def fake_gpu(refuse: bool) -> None:
+    """Stands in for the CUDA side of the connect-time IPC agreement on a machine without a GPU:
+    every rank offers a probe handle of a made-up GPU, and a refusing rank fails to open peers'."""
+    import megatron.shm_tensor_rdma.endpoint as endpoint
+
+    class FakeIpc(endpoint.CudaIpc):
+        def probe(self) -> str:
+            return "GPU-fake " + "00" * 64 + " 0"
+
+        def try_open(self, descriptor: str) -> str | None:
+            assert descriptor == self.probe(), descriptor
+            return "cudaIpcOpenMemHandle failed: operation not supported (fake)" if refuse else None
+
+    endpoint.device_key = lambda: "GPU-fake"
+    endpoint.CudaIpc = FakeIpc
+
+
+def scenario_ipc_agreement(ep: Endpoint, args, checks: Checks) -> None:
+    """Which peers this rank sends CUDA tensors to by handle, as agreed while connecting; host
+    tensors move as ever."""
+    for peer in range(ep.world_size):
+        if peer != ep.rank:
+            checks.run(f"device_path_{peer}", lambda peer=peer: ep.device_path(peer))
+    barrier(ep, 90)
+    checks.run("stats", ep.stats)
+
+
+SCENARIOS = {"basics": scenario_basics, "ipc_agreement": scenario_ipc_agreement, "cuda_ipc": scenario_cuda_ipc, "mesh": scenario_mesh, "dead_peer": scenario_dead_peer,
              "exchange": scenario_exchange, "copy_paths": scenario_copy_paths}
 
 
@@ -479,12 +508,19 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=0, help="pretend the ranks are spread over this many hosts")
     parser.add_argument("--two-copies", action="store_true", help="single copy off (EndpointConfig.single_copy)")
     parser.add_argument("--no-cuda-ipc", action="store_true", help="EndpointConfig.cuda_ipc=False")
+    parser.add_argument("--fake-gpu", action="store_true",
+                        help="pretend a GPU, whose probe handle opens everywhere but on --fake-gpu-refuse ranks")
+    parser.add_argument("--fake-gpu-refuse", type=int, nargs="*", default=[])
     args = parser.parse_args()
     config = EndpointConfig(transports=tuple(args.transports.split(",")), transfer_timeout=60, connect_timeout=30,
                             single_copy=not args.two_copies, cuda_ipc=not args.no_cuda_ipc)
     if args.hosts:
         # Consecutive ranks share a host key, so they use shared memory; the rest use TCP.
         config.host_key = f"{args.job_id}-host{args.rank * args.hosts // args.world_size}"
+    if args.scenario == "cuda_ipc":
+        torch.cuda.set_device(0)  # before the endpoint: it offers IPC only once CUDA is initialized
+    if args.fake_gpu:
+        fake_gpu(refuse=args.rank in args.fake_gpu_refuse)
     if args.addresses:
         ep = Endpoint(args.job_id, args.rank, args.world_size, args.addresses.split(","), config=config)
     else:

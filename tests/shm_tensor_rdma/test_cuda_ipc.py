@@ -152,6 +152,8 @@ def test_an_unreceived_device_send_times_out_naming_the_peer(ipc_pair):
 
 
 def test_device_path_says_why_cuda_tensors_are_staged():
+    if GPU:
+        torch.cuda.set_device(0)  # an endpoint offers IPC only in a process that initialized CUDA
     a, b = make_pair()
     try:
         if GPU:
@@ -161,6 +163,43 @@ def test_device_path_says_why_cuda_tensors_are_staged():
     finally:
         a.close()
         b.close()
+
+
+def test_peers_agree_while_connecting_which_of_them_open_each_others_handles(tmp_path):
+    """Three ranks with a stand-in GPU; rank 2 cannot open IPC handles. Ranks 0 and 1 send each
+    other CUDA tensors by handle, and both stage what they send to rank 2, saying why; rank 2
+    still sends by handle to them. The agreement is one message each way per pair."""
+    run = run_ranks("ipc_agreement", 3, tmp_path, timeout=60, extra=["--fake-gpu", "--fake-gpu-refuse", "2"])
+    refused = ("host staging (rank 2 cannot open this process's CUDA IPC handles: "
+               "cudaIpcOpenMemHandle failed: operation not supported (fake))")
+    assert run.check(0, "device_path_1")["detail"] == run.check(1, "device_path_0")["detail"] == "CUDA IPC"
+    assert run.check(0, "device_path_2")["detail"] == run.check(1, "device_path_2")["detail"] == refused
+    assert run.check(2, "device_path_0")["detail"] == run.check(2, "device_path_1")["detail"] == "CUDA IPC"
+    for rank in range(3):
+        run.check(rank, "closed")
+
+
+def test_without_gpus_no_agreement_is_made(tmp_path):
+    run = run_ranks("ipc_agreement", 2, tmp_path, timeout=60)
+    expected = "host staging (no GPU visible here)" if not GPU else None
+    for rank in (0, 1):
+        path = run.check(rank, f"device_path_{1 - rank}")["detail"]
+        assert path.startswith("host staging ("), path
+        if expected:
+            assert path == expected
+        # Only the barrier's messages: no probe answers were exchanged.
+        assert run.check(rank, "stats")["detail"]["eager"] == 2
+
+
+def test_an_ipc_handle_survives_the_descriptor_with_its_zero_bytes():
+    from megatron.shm_tensor_rdma.cuda_ipc import _IpcHandle, handle_from_hex, handle_hex
+
+    raw = bytes([7, 0, 0, 3] + [0] * 30 + [255] * 29 + [1])
+    handle = _IpcHandle.from_buffer_copy(raw)
+    text = handle_hex(handle)
+    assert len(text) == 128 and bytes(handle_from_hex(text).reserved) == raw
+    with pytest.raises(ValueError, match="64 bytes"):
+        handle_from_hex(text[:-2])
 
 
 # ------------------------------------------------------------------------------ on a GPU
