@@ -236,4 +236,7 @@ class CudaIpc:
             opened, self._opened = list(self._opened.values()), OrderedDict()
             self._exported.clear()
         if opened:
-            self._unmap(opened)
+            try:
+                self._unmap(opened)
+            except Exception:  # noqa: BLE001 - at interpreter exit CUDA may already be torn down
+                pass
