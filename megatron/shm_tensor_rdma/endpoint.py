@@ -133,13 +133,16 @@ class Handle:
             wait_done = endpoint._wait_done
             if timeout is None and wait_done is not None and self._wire is self.tensor:
                 failed = wait_done(self.id)  # a host tensor with no limit: the short way
-                with endpoint._lock:
-                    if self._state == _PENDING and failed is None:
-                        endpoint._handles.pop(self.id, None)
+                if failed is None:
+                    # This thread took the outcome, so no poll() reports it; close() may settle
+                    # the handle meanwhile: whoever takes it out of the table settles it.
+                    if endpoint._handles.pop(self.id, None) is not None:
                         self._wire = None
                         self._state = _DONE
-                    elif self._state == _PENDING and failed[1] in (_DONE, _FAILED):
-                        endpoint._settle(self, failed[1], failed[2], failed[3])
+                else:
+                    with endpoint._lock:
+                        if self._state == _PENDING and failed[1] in (_DONE, _FAILED):
+                            endpoint._settle(self, failed[1], failed[2], failed[3])
             if self._state == _PENDING:
                 endpoint._wait_handle(self, timeout)
         if self._error is not None:
@@ -245,6 +248,10 @@ class Endpoint:
         self._engine = _C.Engine(cfg)
         self._lock = threading.Lock()
         self._handles: dict[int, Handle] = {}
+        # Outcomes a poll() took before the posting thread registered their handle, and handles
+        # settled from there, reported by the next poll() (see _apply and _adopt).
+        self._orphans: dict[int, tuple[int, int, str]] = {}
+        self._late: list[Handle] = []
         self._pinned = PinnedPool()
         self._default_timeout = self._timeout_seconds(c.transfer_timeout)
         self._closed = False
@@ -314,11 +321,12 @@ class Endpoint:
         post = self._post_plain
         if post is not None:
             seconds = self._default_timeout if timeout is DEFAULT else self._timeout_seconds(timeout)
-            with self._lock:  # registering the handle is atomic with posting (see _post)
-                request_id = post(True, tensor, dst, tag, seconds)
-                if request_id is not False:
-                    handle = self._handles[request_id] = Handle(self, request_id, "send", dst, tag, tensor, tensor)
-                    return handle
+            request_id = post(True, tensor, dst, tag, seconds)
+            if request_id is not False:
+                handle = self._handles[request_id] = Handle(self, request_id, "send", dst, tag, tensor, tensor)
+                if self._orphans:  # another thread's poll() may have seen it finish first (see _apply)
+                    self._adopt(handle)
+                return handle
         self._check_open("isend")
         _check_tensor(tensor, "isend")
         if tensor.is_cuda and dst in self._ipc_peers and tensor.numel():
@@ -348,11 +356,12 @@ class Endpoint:
         post = self._post_plain
         if post is not None:
             seconds = self._default_timeout if timeout is DEFAULT else self._timeout_seconds(timeout)
-            with self._lock:
-                request_id = post(False, out, src, tag, seconds)
-                if request_id is not False:
-                    handle = self._handles[request_id] = Handle(self, request_id, "recv", src, tag, out, out)
-                    return handle
+            request_id = post(False, out, src, tag, seconds)
+            if request_id is not False:
+                handle = self._handles[request_id] = Handle(self, request_id, "recv", src, tag, out, out)
+                if self._orphans:
+                    self._adopt(handle)
+                return handle
         self._check_open("irecv")
         _check_tensor(out, "irecv")
         if not out.is_contiguous():
@@ -579,17 +588,37 @@ class Endpoint:
         return dict(self._engine.stats())
 
     def _apply(self, finished: list[tuple[int, int, int, str]]) -> list[Handle]:
+        """Settles what the core reported finished (lock held). The fast paths of isend/irecv
+        register a handle right after posting, without the lock (it cost 0.1 us a message), so
+        a poll() in another thread can see a request finish before its handle exists. Its
+        outcome is then left in _orphans for the posting thread to adopt; whichever of the two
+        takes it out of _orphans settles the handle (both steps are atomic under the GIL)."""
         out = []
         for request_id, state, kind, message in finished:
             handle = self._handles.get(request_id)
-            if handle is not None:
-                self._settle(handle, state, kind, message)
-                out.append(handle)
+            if handle is None:
+                self._orphans[request_id] = (state, kind, message)
+                handle = self._handles.get(request_id)  # registered meanwhile?
+                if handle is None or self._orphans.pop(request_id, None) is None:
+                    continue
+            self._settle(handle, state, kind, message)
+            out.append(handle)
+        if self._late:
+            out, self._late = self._late + out, []
         return out
+
+    def _adopt(self, handle: Handle) -> None:
+        """The posting thread's half of _apply's hand-over."""
+        with self._lock:
+            outcome = self._orphans.pop(handle.id, None)
+            if outcome is not None:
+                self._settle(handle, *outcome)
+                self._late.append(handle)
 
     def _settle(self, handle: Handle, state: int, kind: int, message: str) -> None:
         """Records the outcome and lets go of the memory (called with the lock held)."""
-        self._handles.pop(handle.id, None)
+        if self._handles.pop(handle.id, None) is None:
+            return  # already settled by whoever took it out of the table first (Handle.wait's short way)
         if state == _DONE and kind == _DEVICE_COPY:  # a receive from a peer's GPU memory
             failed = self._copy_device_message(handle.tensor, handle.peer, message)
             if failed is not None:

@@ -357,3 +357,33 @@ def test_a_backlog_of_mid_size_messages_is_copied_by_both_sides(pair):
     stats = b.stats()
     assert stats["read"] + stats["written"] == 32, stats
     assert stats["read"] >= 8 and stats["written"] >= 8, stats
+
+
+def test_a_poll_in_another_thread_never_loses_a_handle_posted_meanwhile(pair):
+    """isend/irecv register their handle just after posting, without a lock; a poll() racing
+    with that (here: a thread polling both endpoints nonstop while eager sends finish as they
+    are posted) hands the outcome over instead of dropping it. Every handle finishes, and poll
+    reports none twice."""
+    a, b = pair
+    stop, polled = threading.Event(), []
+
+    def poller():
+        while not stop.is_set():
+            polled.extend(a.poll())
+            polled.extend(b.poll())
+
+    thread = threading.Thread(target=poller)
+    thread.start()
+    try:
+        handles = []
+        for i in range(3000):
+            handles.append(b.irecv(((2,), torch.int64), 0, 7))
+            handles.append(a.isend(torch.tensor([i, -i]), 1, 7))
+        for h in handles:
+            h.wait(10)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert [h.tensor.tolist() for h in handles[0::2]] == [[i, -i] for i in range(3000)]
+    assert len(polled) == len(set(map(id, polled))), "a handle was reported twice"
+    assert polled, "the poller never saw a handle finish: the race was not exercised"

@@ -203,6 +203,7 @@ class Engine : public EngineSink {
   };
 
   EngineConfig cfg_;
+  std::vector<std::string> peer_device_keys_;  // by rank, from the hello (set in connect, then read-only)
   int listen_fd_ = -1;
   int listen_port_ = 0;
   int unix_fd_ = -1;
@@ -219,7 +220,6 @@ class Engine : public EngineSink {
   std::unordered_map<uint64_t, std::shared_ptr<Request>> requests_;
   std::deque<uint64_t> completed_;
   uint64_t finished_by_path_[5] = {};
-  std::vector<std::string> peer_device_keys_;  // by rank, from the hello
   std::vector<PeerState> peers_;
   uint64_t next_id_ = 1;
   std::atomic<uint64_t> publications_{0};  // bumped on every publish, read without mu_
