@@ -154,6 +154,10 @@ class Engine : public EngineSink {
   std::shared_ptr<Request> make_request(bool is_send, uintptr_t data, uint64_t nbytes, uint32_t dtype,
                                         const std::vector<int64_t>& shape, int peer, int64_t tag, double timeout_s);
   void check_ready(const char* op, int peer, const char* peer_arg) const;
+  // mu_ held: gives a send its id and records it; false (and the send failed) when its peer is gone.
+  bool admit_send(const std::shared_ptr<Request>& req);
+  // The header announcing a send: its tag, id, dtype, size and shape.
+  static CtrlHeader send_header(const Request& req);
   // ---- the following need mu_ held
   void on_ctrl_locked(int peer, const CtrlHeader& h, const uint8_t* payload);
   void accept_arrival(const std::shared_ptr<Request>& recv, const CtrlHeader& h, const uint8_t* payload);

@@ -69,25 +69,33 @@ std::shared_ptr<Request> Engine::make_request(bool is_send, uintptr_t data, uint
   return r;
 }
 
+bool Engine::admit_send(const std::shared_ptr<Request>& req) {
+  req->id = next_id_++;
+  requests_[req->id] = req;
+  if (!peers_[req->peer].gone) return true;
+  fail(req, ErrorKind::PeerGone, describe(*req) + " failed: " + peers_[req->peer].gone_reason);
+  return false;
+}
+
+CtrlHeader Engine::send_header(const Request& req) {
+  CtrlHeader h;
+  h.dtype = req.dtype;
+  h.tag = req.tag;
+  h.send_id = req.id;
+  h.nbytes = req.nbytes;
+  h.ndim = req.ndim;
+  std::copy(req.shape, req.shape + req.ndim, h.shape);
+  return h;
+}
+
 uint64_t Engine::isend(uintptr_t data, uint64_t nbytes, uint32_t dtype, const std::vector<int64_t>& shape, int dst,
                        int64_t tag, double timeout_s) {
   check_ready("isend", dst, "dst");
   auto req = make_request(true, data, nbytes, dtype, shape, dst, tag, timeout_s);
   std::lock_guard<std::mutex> lk(mu_);
-  req->id = next_id_++;
-  requests_[req->id] = req;
-  if (peers_[dst].gone) {
-    fail(req, ErrorKind::PeerGone, describe(*req) + " failed: " + peers_[dst].gone_reason);
-    return req->id;
-  }
+  if (!admit_send(req)) return req->id;
   Channel* ch = channels_[dst];
-  CtrlHeader h;
-  h.dtype = dtype;
-  h.tag = tag;
-  h.send_id = req->id;
-  h.nbytes = nbytes;
-  h.ndim = req->ndim;
-  std::copy(req->shape, req->shape + req->ndim, h.shape);
+  CtrlHeader h = send_header(*req);
   // Posting under mu_ keeps messages to one peer in id order, which is what makes matching
   // by (peer, tag) first-in first-out even when several threads post.
   if (nbytes <= ch->eager_limit()) {
@@ -102,57 +110,6 @@ uint64_t Engine::isend(uintptr_t data, uint64_t nbytes, uint32_t dtype, const st
     ch->post_ctrl(h, nullptr);
   }
   return req->id;
-}
-
-uint64_t Engine::isend_device(const std::string& descriptor, uint64_t nbytes, uint32_t dtype,
-                              const std::vector<int64_t>& shape, int dst, int64_t tag, double timeout_s) {
-  check_ready("isend", dst, "dst");
-  Channel* ch = channels_[dst];
-  if (std::string(ch->kind()) != "shm")
-    throw ArgumentError("isend: GPU memory moves by IPC handle only to a peer on the same host (rank " +
-                        std::to_string(dst) + " is reached over " + ch->kind() + ")");
-  if (descriptor.empty() || descriptor.size() > ch->eager_limit())
-    throw ArgumentError("isend: an IPC descriptor must be 1.." + std::to_string(ch->eager_limit()) + " bytes, got " +
-                        std::to_string(descriptor.size()));
-  // No host bytes: the request only records what is sent; the caller keeps the GPU memory alive.
-  auto req = make_request(true, 0, 0, dtype, shape, dst, tag, timeout_s);
-  req->nbytes = nbytes;
-  std::lock_guard<std::mutex> lk(mu_);
-  req->id = next_id_++;
-  requests_[req->id] = req;
-  if (peers_[dst].gone) {
-    fail(req, ErrorKind::PeerGone, describe(*req) + " failed: " + peers_[dst].gone_reason);
-    return req->id;
-  }
-  CtrlHeader h;
-  h.type = static_cast<uint32_t>(MsgType::DeviceRts);
-  h.dtype = dtype;
-  h.tag = tag;
-  h.send_id = req->id;
-  h.nbytes = nbytes;
-  h.ndim = req->ndim;
-  std::copy(req->shape, req->shape + req->ndim, h.shape);
-  h.payload_bytes = static_cast<uint32_t>(descriptor.size());
-  ch->post_ctrl(h, descriptor.data());  // in posting order with the peer's other messages (see isend)
-  return req->id;
-}
-
-void Engine::device_done(int peer, uint64_t send_id, bool ok, const std::string& reason) {
-  check_ready("device_done", peer, "peer");
-  std::lock_guard<std::mutex> lk(mu_);
-  if (peers_[peer].gone) return;  // nobody left to tell
-  CtrlHeader h;
-  h.send_id = send_id;
-  if (ok) {
-    h.type = static_cast<uint32_t>(MsgType::DeviceDone);
-    channels_[peer]->post_ctrl(h, nullptr);
-    return;
-  }
-  h.type = static_cast<uint32_t>(MsgType::Nack);
-  h.error_kind = static_cast<uint32_t>(ErrorKind::Internal);
-  const std::string text = "rank " + std::to_string(cfg_.rank) + " could not copy the message: " + reason;
-  h.payload_bytes = static_cast<uint32_t>(std::min<size_t>(text.size(), channels_[peer]->eager_limit()));
-  channels_[peer]->post_ctrl(h, text.data());
 }
 
 uint64_t Engine::irecv(uintptr_t data, uint64_t nbytes, uint32_t dtype, const std::vector<int64_t>& shape, int src,
