@@ -67,6 +67,16 @@ class RankMetrics:
                              "span or iteration", ["rank"], registry=r).labels(self.rank)
         self.suspect = Gauge("megascan_suspect_score", "this rank's compute time / the job median "
                              "(1 = typical, 1.5 = 50% slower)", ["rank"], registry=r).labels(self.rank)
+        # NVML readings of this rank's GPU (CUDA ranks with nvidia-ml-py), set once per iteration.
+        gpu = [("sm_clock_mhz", "SM clock (MHz)"), ("sm_clock_max_mhz", "maximum SM clock (MHz)"),
+               ("power_w", "power draw (W)"), ("power_limit_w", "enforced power limit (W)"),
+               ("temperature_c", "GPU temperature (C)"), ("ecc_uncorrected", "volatile uncorrected ECC errors")]
+        names = {"power_w": "power_watts", "power_limit_w": "power_limit_watts", "temperature_c": "temperature_celsius",
+                 "ecc_uncorrected": "ecc_uncorrected_errors"}
+        self._gpu = {key: Gauge(f"megascan_gpu_{names.get(key, key)}", text, ["rank"], registry=r)
+                     for key, text in gpu}
+        self._gpu_reason = Gauge("megascan_gpu_clocks_event_reason", "1 while NVML reports this clocks-event "
+                                 "(throttle) reason for the GPU", ["rank", "reason"], registry=r)
         self._spans = {kind: self._span.labels(self.rank, kind) for kind in SPAN_KINDS}
         self._collectives: dict[tuple[str, int], Any] = {}
         self._p2p = {d: (self._p2p_bytes.labels(self.rank, d), self._p2p_bandwidth.labels(self.rank, d))
@@ -116,6 +126,18 @@ class RankMetrics:
         if compute > 0:
             self.compute_seconds.observe(compute)
         return compute
+
+    def on_gpu(self, record: dict[str, Any]) -> None:
+        """One GpuCounters.read(): the gauges it has values for ({} on CPU ranks sets nothing)."""
+        from megatron.scan.gpu_counters import REASONS
+
+        for key, gauge in self._gpu.items():
+            if f"gpu_{key}" in record:
+                gauge.labels(self.rank).set(float(record[f"gpu_{key}"]))
+        if "gpu_reasons" in record:
+            mask = int(record["gpu_reasons"])
+            for bit, (name, _) in REASONS.items():
+                self._gpu_reason.labels(self.rank, name).set(1 if mask & bit else 0)
 
     def on_hang(self, hung: bool) -> None:
         self.hang.set(1 if hung else 0)
@@ -243,6 +265,7 @@ class MetricsPlugin(Plugin):
                                     score_interval=args.metrics_score_interval)
         self.directory = output_directory(args)
         self.metrics = None
+        self.gpu = None
         self._window: list[float] = []
 
     def setup(self, ctx) -> None:
@@ -256,12 +279,17 @@ class MetricsPlugin(Plugin):
         port = 0 if config.port == 0 else config.port + identity["local_rank"]
         metrics.serve(port, config.addr)
         metrics.write_target(self.directory)
+        from megatron.scan.gpu_counters import GpuCounters
+
+        self.gpu = GpuCounters(_cuda_device())
         print(f"[megascan] rank {ctx.rank}: metrics on :{metrics.port}/metrics", file=sys.stderr, flush=True)
         shared_collective_observer()  # collectives wrapped (by the tracer, or here), reported to observers
         set_observer(MetricsSpans(metrics))
 
     def after_iteration(self, ctx, iteration: int, metrics: dict[str, Any]) -> None:
         self._window.append(self.metrics.on_iteration(metrics))
+        if self.gpu is not None:
+            self.metrics.on_gpu(self.gpu.read())
         interval = self.config.score_interval
         if interval and (iteration + 1) % interval == 0:
             self._exchange_scores(ctx)
@@ -286,6 +314,18 @@ class MetricsPlugin(Plugin):
     def shutdown(self, ctx) -> None:
         if self.metrics is not None:
             self.metrics.close()
+        if self.gpu is not None:
+            self.gpu.close()
+
+
+def _cuda_device() -> int | None:
+    """This process's CUDA device once CUDA is in use (NVML is read for it), else None."""
+    try:
+        import torch
+
+        return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def scrape(url: str, timeout: float = 5.0) -> dict[tuple[str, tuple], float]:
