@@ -1,13 +1,17 @@
 """Aggregation at scale: synthetic 3D-parallel traces (default 1024 ranks = TP 8 x PP 8 x DP 16,
 2 iterations), then load -> match -> align -> Chrome trace, timing each step and the peak memory
-of the aggregating process and its loader processes. Goal: < 60 s and < 4 GiB on 2 cores.
+of the aggregating process and its loader processes. Goals on 2 cores: 1024 ranks in < 60 s and
+< 4 GiB; 4096 ranks (--dp 64) in < 120 s and < 8 GiB.
   python benchmarks/aggregate_scale.py [--tp 8 --pp 8 --dp 16] [--jobs 2] [--keep DIR]
+  python benchmarks/aggregate_scale.py --sweep 4,8,16,32,64   # DP sizes: 256 .. 4096 ranks, one table
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +35,13 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count(),
                         help="processes loading rank files (default: the CPU count, %(default)s)")
     parser.add_argument("--keep", default=None, help="generate into this directory and keep it")
+    parser.add_argument("--sweep", default=None, metavar="DP,DP,...",
+                        help="run once per data-parallel size (each in its own process, so peak memory is its "
+                             "own) and print the growth table")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON line")
     args = parser.parse_args()
+    if args.sweep:
+        return sweep(args)
     directory = Path(args.keep or tempfile.mkdtemp(prefix="megascan-scale-"))
     spec = SyntheticRun(tp=args.tp, pp=args.pp, dp=args.dp, iterations=args.iterations,
                         offsets_ms={1: 3.0, args.tp * args.dp: -2.0}, drift_ppm={5: 150.0})
@@ -46,6 +56,13 @@ def main() -> int:
     summary = result.summary()
     spread = collective_end_spread_us(result.trace, result.collectives)
     t = result.timings
+    figures = dict(ranks=spec.world_size, events=summary["events"], input_mb=size / 1e6, generate=generated,
+                   load=t["load"], match=t["match"], align=t["align"], emit=t["emit"], total=t["total"],
+                   output_mb=output.stat().st_size / 1e6, rss_main=own, rss_loader=children,
+                   spread_p95=float(sorted(spread)[int(0.95 * len(spread))]))
+    if args.json:
+        print(json.dumps(figures))
+        return 0
     print(f"aggregate scale: {spec.world_size} ranks (tp {args.tp} x pp {args.pp} x dp {args.dp}), "
           f"{args.iterations} iterations, {args.jobs} loader processes")
     print(f"{'step':24s} {'value':>12s}")
@@ -64,10 +81,38 @@ def main() -> int:
         ("peak RSS main (GiB)", f"{own:.2f}"),
         ("peak RSS loader (GiB)", f"{children:.2f}"),
         ("spread p95 aligned (us)", f"{float(sorted(spread)[int(0.95 * len(spread))]):.1f}"),
-        ("goal met (<60 s, <4 GiB)", str(t["total"] < 60 and own + children < 4)),
+        goal_row(spec.world_size, t["total"], own + children),
     ]
     for name, value in rows:
         print(f"{name:24s} {value:>12s}")
+    return 0
+
+
+def goal_row(ranks: int, seconds: float, gib: float) -> tuple[str, str]:
+    limit_s, limit_gib = (60, 4) if ranks <= 1024 else (120, 8)
+    return f"goal met (<{limit_s} s, <{limit_gib} GiB)", str(seconds < limit_s and gib < limit_gib)
+
+
+def sweep(args) -> int:
+    rows = []
+    for dp in (int(v) for v in args.sweep.split(",")):
+        command = [sys.executable, __file__, "--tp", str(args.tp), "--pp", str(args.pp), "--dp", str(dp),
+                   "--iterations", str(args.iterations), "--jobs", str(args.jobs), "--json"]
+        print(f"[aggregate_scale] {args.tp * args.pp * dp} ranks ...", file=sys.stderr, flush=True)
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(f"aggregate scale sweep: TP {args.tp} x PP {args.pp} x DP, {args.iterations} iterations, "
+          f"{args.jobs} loader processes")
+    print("| ranks | events | input MB | load s | match s | align s | emit s | total s | peak GiB (main + loader) "
+          "| output MB | s per 1k ranks |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['ranks']} | {r['events']} | {r['input_mb']:.0f} | {r['load']:.1f} | {r['match']:.1f} | "
+              f"{r['align']:.1f} | {r['emit']:.1f} | {r['total']:.1f} | {r['rss_main'] + r['rss_loader']:.2f} | "
+              f"{r['output_mb']:.0f} | {r['total'] / r['ranks'] * 1000:.1f} |")
+    last = rows[-1]
+    name, met = goal_row(last["ranks"], last["total"], last["rss_main"] + last["rss_loader"])
+    print(f"{name} at {last['ranks']} ranks: {met}")
     return 0
 
 

@@ -87,7 +87,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     fault.add_arguments(commands.add_parser("fault", help="apply a fault to a running job from outside: throttle, "
                                                           "freeze, thaw, kill, release, list"))
+    c = commands.add_parser("capture", help="ask a running job to trace the next K iterations on every rank, or "
+                                           "change its window schedule")
+    c.add_argument("--job", required=True, metavar="DIR_OR_URL",
+                   help="the job's --trace-dir on rank 0's node, or rank 0's metrics address http://HOST:PORT "
+                        "(the job needs --metrics-control-token-file)")
+    c.add_argument("--token-file", default=None, metavar="FILE", help="with an http:// job: the token the job was "
+                   "given (--metrics-control-token-file)")
+    c.add_argument("--iterations", type=int, default=None, metavar="K", help="iterations to trace, from an iteration "
+                   "the ranks agree on (two after rank 0 reads the request)")
+    c.add_argument("--trace-interval", type=int, default=None, metavar="N",
+                   help="from then on, trace --continuous-trace-iterations of every N iterations")
+    c.add_argument("--continuous-trace-iterations", type=int, default=None, metavar="C",
+                   help="with --trace-interval: iterations per window (default 1)")
+    c.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
+                   help="how long to wait for rank 0's answer (0: do not wait)")
     args = parser.parse_args(argv)
+    if args.command == "capture":
+        return run_capture(args)
     if args.command == "fault":
         return fault.run(args)
     if args.command == "detect":
@@ -106,3 +123,94 @@ def main(argv: Sequence[str] | None = None) -> int:
     from megatron.scan.synthetic import run as run_synthetic
 
     return run_synthetic(args)
+
+
+def run_capture(args: argparse.Namespace) -> int:
+    """Leaves the request in the job's trace directory and waits for rank 0's answer."""
+    import os
+    import time
+
+    from megatron.scan.control import write_request
+
+    if args.iterations is None and args.trace_interval is None:
+        print("error: give --iterations K (a window now) or --trace-interval N (a new schedule)", file=sys.stderr)
+        return 2
+    if args.iterations is not None and args.iterations < 1 or args.trace_interval is not None and args.trace_interval < 1:
+        print("error: --iterations and --trace-interval must be >= 1", file=sys.stderr)
+        return 2
+    request = {"iterations": args.iterations or 0, "interval": args.trace_interval or 0,
+               "continuous": args.continuous_trace_iterations or 0}
+    if args.job.startswith(("http://", "https://")):
+        fetch = _http_capture(args, request)
+        if fetch is None:
+            return 2
+        where = args.job
+    else:
+        if not os.path.isdir(args.job):
+            print(f"error: {args.job} is not a directory: give the running job's --trace-dir", file=sys.stderr)
+            return 2
+        path = write_request(args.job, request)
+        agreed = path.with_name(path.name.replace("request-", "agreed-"))
+        fetch = lambda: json.loads(agreed.read_text()) if agreed.exists() else None  # noqa: E731
+        where = str(path.parent)
+    deadline = time.monotonic() + args.wait
+    while time.monotonic() < deadline:
+        answer = fetch()
+        if answer is not None:
+            if "error" in answer:
+                print(f"error: the job refused the request: {answer['error']}", file=sys.stderr)
+                return 2
+            what = []
+            if answer.get("iterations"):
+                what.append(f"iterations {answer['start']}..{answer['start'] + answer['iterations'] - 1} are traced "
+                            f"on every rank")
+            if answer.get("interval"):
+                what.append(f"from iteration {answer['start']} on, {answer['continuous']} of every "
+                            f"{answer['interval']} iterations are traced")
+            print(f"agreed by the job (rank 0 read the request after iteration {answer['read_at_iteration']}): "
+                  + "; ".join(what))
+            return 0
+        time.sleep(0.2)
+    if args.wait:
+        print(f"error: no answer from the job within {args.wait:g} s: is it running with --trace (and its trace "
+              f"directory {args.job})? The request stays ({where}) and is taken when rank 0 reaches it", file=sys.stderr)
+        return 1
+    print(f"request left ({where})")
+    return 0
+
+
+def _http_capture(args: argparse.Namespace, request: dict):
+    """POSTs the request to rank 0's metrics port; returns a function polling for the answer."""
+    import urllib.error
+    import urllib.request
+
+    if not args.token_file:
+        print("error: an http:// job needs --token-file (the job's --metrics-control-token-file)", file=sys.stderr)
+        return None
+    with open(args.token_file) as f:
+        headers = {"Authorization": f"Bearer {f.read().strip()}", "Content-Type": "application/json"}
+    base = args.job.rstrip("/")
+    body = json.dumps({"iterations": request["iterations"], "trace_interval": request["interval"],
+                       "continuous_trace_iterations": request["continuous"]}).encode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"{base}/capture", data=body, headers=headers),
+                                    timeout=10) as reply:
+            name = json.loads(reply.read())["answer"]
+    except urllib.error.HTTPError as exc:
+        print(f"error: the job refused the request ({exc.code}): {json.loads(exc.read() or b'{}').get('error')}",
+              file=sys.stderr)
+        return None
+    except OSError as exc:
+        print(f"error: cannot reach {base}: {exc}", file=sys.stderr)
+        return None
+
+    def fetch():
+        try:
+            with urllib.request.urlopen(urllib.request.Request(f"{base}/capture/{name}", headers=headers),
+                                        timeout=10) as reply:
+                return json.loads(reply.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise
+    return fetch

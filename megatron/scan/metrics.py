@@ -67,6 +67,16 @@ class RankMetrics:
                              "span or iteration", ["rank"], registry=r).labels(self.rank)
         self.suspect = Gauge("megascan_suspect_score", "this rank's compute time / the job median "
                              "(1 = typical, 1.5 = 50% slower)", ["rank"], registry=r).labels(self.rank)
+        # NVML readings of this rank's GPU (CUDA ranks with nvidia-ml-py), set once per iteration.
+        gpu = [("sm_clock_mhz", "SM clock (MHz)"), ("sm_clock_max_mhz", "maximum SM clock (MHz)"),
+               ("power_w", "power draw (W)"), ("power_limit_w", "enforced power limit (W)"),
+               ("temperature_c", "GPU temperature (C)"), ("ecc_uncorrected", "volatile uncorrected ECC errors")]
+        names = {"power_w": "power_watts", "power_limit_w": "power_limit_watts", "temperature_c": "temperature_celsius",
+                 "ecc_uncorrected": "ecc_uncorrected_errors"}
+        self._gpu = {key: Gauge(f"megascan_gpu_{names.get(key, key)}", text, ["rank"], registry=r)
+                     for key, text in gpu}
+        self._gpu_reason = Gauge("megascan_gpu_clocks_event_reason", "1 while NVML reports this clocks-event "
+                                 "(throttle) reason for the GPU", ["rank", "reason"], registry=r)
         self._spans = {kind: self._span.labels(self.rank, kind) for kind in SPAN_KINDS}
         self._collectives: dict[tuple[str, int], Any] = {}
         self._p2p = {d: (self._p2p_bytes.labels(self.rank, d), self._p2p_bandwidth.labels(self.rank, d))
@@ -117,17 +127,70 @@ class RankMetrics:
             self.compute_seconds.observe(compute)
         return compute
 
+    def on_gpu(self, record: dict[str, Any]) -> None:
+        """One GpuCounters.read(): the gauges it has values for ({} on CPU ranks sets nothing)."""
+        from megatron.scan.gpu_counters import REASONS
+
+        for key, gauge in self._gpu.items():
+            if f"gpu_{key}" in record:
+                gauge.labels(self.rank).set(float(record[f"gpu_{key}"]))
+        if "gpu_reasons" in record:
+            mask = int(record["gpu_reasons"])
+            for bit, (name, _) in REASONS.items():
+                self._gpu_reason.labels(self.rank, name).set(1 if mask & bit else 0)
+
     def on_hang(self, hung: bool) -> None:
         self.hang.set(1 if hung else 0)
 
     # --- serving ------------------------------------------------------------------------
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        from prometheus_client import start_http_server
+    def serve(self, port: int, addr: str = "0.0.0.0", control=None) -> int:
+        """Serves GET /metrics; with `control` (a callable taking the request's JSON body and the
+        Authorization header, returning (HTTP status, JSON answer)), also POST /capture."""
+        import threading
+        from http.server import ThreadingHTTPServer
 
-        started = start_http_server(port, addr=addr, registry=self.registry)
-        server = started[0] if isinstance(started, tuple) else None
+        from prometheus_client.exposition import MetricsHandler
+
+        base = MetricsHandler.factory(self.registry)
+
+        class Handler(base):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                if not self.path.startswith("/capture/"):
+                    return super().do_GET()
+                if control is None:
+                    return self._answer(403, {"error": "this metrics port is read-only"})
+                status, answer = control(None, self.headers.get("Authorization", ""), self.path.split("/")[-1])
+                self._answer(status, answer)
+
+            def do_POST(self) -> None:  # noqa: N802
+                if self.path.split("?")[0] != "/capture":
+                    return self._answer(404, {"error": "POST /capture is the only control request"})
+                if control is None:
+                    return self._answer(403, {"error": "this metrics port is read-only"})
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                    body = json.loads(self.rfile.read(length) or b"{}")
+                except ValueError:
+                    return self._answer(400, {"error": "the body must be JSON, e.g. {\"iterations\": 3}"})
+                status, answer = control(body, self.headers.get("Authorization", ""))
+                self._answer(status, answer)
+
+            def _answer(self, status: int, answer: dict) -> None:
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:  # no access log on the training job's stderr
+                pass
+
+        server = ThreadingHTTPServer((addr, port), Handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="megascan-metrics", daemon=True).start()
         self.server = server
-        self.port = server.server_port if server is not None else port
+        self.port = server.server_port
         return self.port
 
     def write_target(self, directory: str | os.PathLike) -> Path:
@@ -204,6 +267,8 @@ class MetricsConfig:
     port: int  # PORT + local rank, or 0: an ephemeral port per rank
     addr: str
     score_interval: int  # iterations between suspect-score exchanges (0: never)
+    control_token: str | None = None  # POST /capture on rank 0 needs it; None: the port is read-only
+    traced: bool = False  # --trace: captures can be taken
 
 
 @register_plugin
@@ -222,6 +287,9 @@ class MetricsPlugin(Plugin):
         g.add_argument("--metrics-addr", default="0.0.0.0", metavar="ADDR", help="address the metrics server binds")
         g.add_argument("--metrics-score-interval", type=int, default=10, metavar="N",
                        help="every N iterations ranks exchange compute times for the suspect score (0: never)")
+        g.add_argument("--metrics-control-token-file", default=None, metavar="FILE",
+                       help="accept POST /capture on rank 0's metrics port from callers presenting the token in "
+                            "FILE (`Authorization: Bearer TOKEN`); without it the port is read-only")
 
     def enabled(self, args) -> bool:
         return args.metrics_port is not None
@@ -239,10 +307,20 @@ class MetricsPlugin(Plugin):
             import prometheus_client  # noqa: F401
         except ImportError:
             raise ConfigError("--metrics-port needs the prometheus-client package (pip install prometheus-client)") from None
+        token = None
+        if args.metrics_control_token_file:
+            try:
+                token = Path(args.metrics_control_token_file).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"--metrics-control-token-file: cannot read it: {exc}") from None
+            if len(token) < 16:
+                raise ConfigError("--metrics-control-token-file: the token must have at least 16 characters")
         self.config = MetricsConfig(port=args.metrics_port, addr=args.metrics_addr,
-                                    score_interval=args.metrics_score_interval)
+                                    score_interval=args.metrics_score_interval, control_token=token,
+                                    traced=bool(getattr(args, "trace", False)))
         self.directory = output_directory(args)
         self.metrics = None
+        self.gpu = None
         self._window: list[float] = []
 
     def setup(self, ctx) -> None:
@@ -254,14 +332,48 @@ class MetricsPlugin(Plugin):
                                     {"dp": ctx.dp_rank, "pp": ctx.pp_rank, "tp": ctx.tp_rank})
         self.metrics = metrics = RankMetrics(identity)
         port = 0 if config.port == 0 else config.port + identity["local_rank"]
-        metrics.serve(port, config.addr)
+        metrics.serve(port, config.addr, control=self._control if ctx.rank == 0 else _not_rank_zero)
         metrics.write_target(self.directory)
+        from megatron.scan.gpu_counters import GpuCounters
+
+        self.gpu = GpuCounters(_cuda_device())
         print(f"[megascan] rank {ctx.rank}: metrics on :{metrics.port}/metrics", file=sys.stderr, flush=True)
         shared_collective_observer()  # collectives wrapped (by the tracer, or here), reported to observers
         set_observer(MetricsSpans(metrics))
 
+    def _control(self, body: dict | None, authorization: str, answer: str | None = None) -> tuple[int, dict]:
+        """POST /capture on rank 0: the same request as `python -m megatron.scan capture`; GET
+        /capture/<answer> then returns rank 0's answer (404 until it is made)."""
+        import hmac
+
+        from megatron.scan.control import write_request
+
+        token = self.config.control_token
+        if token is None:
+            return 403, {"error": "this metrics port is read-only: start the job with --metrics-control-token-file "
+                                  "to accept capture requests"}
+        if not hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode()):
+            return 401, {"error": "missing or wrong token (Authorization: Bearer TOKEN)"}
+        if answer is not None:
+            from megatron.scan.control import request_directory
+
+            if not (answer.startswith("agreed-") and answer.endswith(".json") and "/" not in answer):
+                return 400, {"error": "no such answer"}
+            try:
+                return 200, json.loads((request_directory(self.directory) / answer).read_text())
+            except (OSError, ValueError):
+                return 404, {"error": "not answered yet"}
+        if not self.config.traced:
+            return 409, {"error": "the job is not traced: captures need --trace"}
+        request = {"iterations": int(body.get("iterations") or 0), "interval": int(body.get("trace_interval") or 0),
+                   "continuous": int(body.get("continuous_trace_iterations") or 0)}
+        path = write_request(self.directory, request)
+        return 202, {"request": path.name, "answer": path.name.replace("request-", "agreed-")}
+
     def after_iteration(self, ctx, iteration: int, metrics: dict[str, Any]) -> None:
         self._window.append(self.metrics.on_iteration(metrics))
+        if self.gpu is not None:
+            self.metrics.on_gpu(self.gpu.read())
         interval = self.config.score_interval
         if interval and (iteration + 1) % interval == 0:
             self._exchange_scores(ctx)
@@ -286,6 +398,22 @@ class MetricsPlugin(Plugin):
     def shutdown(self, ctx) -> None:
         if self.metrics is not None:
             self.metrics.close()
+        if self.gpu is not None:
+            self.gpu.close()
+
+
+def _not_rank_zero(body: dict | None, authorization: str, answer: str | None = None) -> tuple[int, dict]:
+    return 409, {"error": "send control requests to rank 0's metrics port (DIR/metrics-targets-rank0.json)"}
+
+
+def _cuda_device() -> int | None:
+    """This process's CUDA device once CUDA is in use (NVML is read for it), else None."""
+    try:
+        import torch
+
+        return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def scrape(url: str, timeout: float = 5.0) -> dict[tuple[str, tuple], float]:

@@ -138,8 +138,15 @@ class ScanPlugin(Plugin):
                              reference_ns=header["clock_reference"]["monotonic_ns"])
         path = config.directory / trace_file_name(ctx.dp_rank, ctx.pp_rank, ctx.tp_rank, ctx.role or None)
         writer = TraceWriter(path, header, skew=skew)
+        from megatron.scan.control import CaptureSchedule, ControlExchange
+
+        # Windows on demand (`python -m megatron.scan capture`): rank 0 reads requests, all ranks
+        # learn the agreed window over a gloo side group (created here, by every rank alike).
+        schedule = CaptureSchedule(WindowSchedule(config.interval, config.continuous))
+        side = dist.new_group(backend="gloo") if dist.is_initialized() and dist.get_world_size() > 1 else None
+        self.control = ControlExchange(config.directory, ctx.rank, schedule, side)
         self.tracer = Tracer(writer=writer, timer=build_timer(ctx.backend.name, ctx.backend.device),
-                             schedule=WindowSchedule(config.interval, config.continuous))
+                             schedule=schedule)
         if config.granularity == "full":
             self.tracer.layer_scopes = LayerScopes(self.tracer, transformer_layers(ctx.chunks))
         self.tracer.collectives.install()
@@ -156,12 +163,16 @@ class ScanPlugin(Plugin):
         self.tracer.begin_iteration(iteration)
 
     def after_iteration(self, ctx, iteration: int, metrics) -> None:
+        self.control.after_iteration(iteration)  # first: a window agreed on may close the current one
         self.tracer.end_iteration(iteration, metrics, last=iteration + 1 >= self.train_iters)
 
     def shutdown(self, ctx) -> None:
         self._close("shutdown")
 
     def _close(self, reason: str) -> None:
+        control = getattr(self, "control", None)
+        if control is not None and reason == "shutdown":
+            control.close()
         if self.tracer is not None and not self.tracer.closed:
             self.tracer.close({"reason": reason})
             if self.tracer.writer.error is not None:

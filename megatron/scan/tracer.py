@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron.scan.collectives import CollectiveObserver
+from megatron.scan.gpu_counters import GpuCounters
 from megatron.scan.host_counters import IterationCounters
 from megatron.scan.trace_format import (
     FLAG_BACKWARD,
@@ -25,6 +26,15 @@ HOST_KINDS = frozenset({"data"})
 # Spans that set the (microbatch, chunk) context of collectives and layer scopes inside them.
 _CONTEXT_KINDS = frozenset({"forward", "backward"})
 _NULL = contextlib.nullcontext()
+
+
+def _current_cuda_device() -> int | None:
+    try:
+        import torch
+
+        return torch.cuda.current_device()
+    except Exception:  # noqa: BLE001 - no CUDA after all: no GPU readings
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +103,7 @@ class Tracer:
         self.layer_scopes = None  # set by the plugin for --trace-granularity full
         self.p2p = None  # see trace_point_to_point
         self.counters = IterationCounters()
+        self.gpu: GpuCounters | None = None  # NVML, opened at the first traced iteration (CUDA ranks)
         self.windows_written = 0
         self._window_first = -1
         self._clock_start: dict[str, int] | None = None
@@ -157,6 +168,8 @@ class Tracer:
                 self.layer_scopes.attach()
         self.iteration = iteration
         self.counters.begin()
+        if self.gpu is None:
+            self.gpu = GpuCounters(_current_cuda_device() if self.timer.device_timed else None)
 
     def end_iteration(self, iteration: int, metrics: dict[str, Any] | None = None, last: bool = False) -> None:
         """Called after the iteration's optimizer step and logging; closes the window at its last
@@ -165,7 +178,8 @@ class Tracer:
             return
         if metrics is not None:
             record = {"iteration": iteration, "iteration_time": metrics.get("iteration_time"),
-                      "loss": metrics.get("lm loss"), **self.counters.end()}
+                      "loss": metrics.get("lm loss"), **self.counters.end(),
+                      **(self.gpu.read() if self.gpu is not None else {})}
             if metrics.get("microbatches") is not None:  # this replica's share of the global batch
                 record["microbatches"] = metrics["microbatches"]
             self._metrics.append(record)
@@ -201,6 +215,8 @@ class Tracer:
         self.flush_window()
         self.closed = True
         self.counters.close()
+        if self.gpu is not None:
+            self.gpu.close()
         self.collectives.uninstall()
         if self.p2p is not None:
             self.p2p.uninstall()

@@ -18,7 +18,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--micro-batch-size", "2", "--global-batch-size", "8", "--mock-data", "--vocab-size", "256",
          "--device", "cpu"]
 # Every label name any series may carry; per-microbatch or per-iteration labels would break this.
-ALLOWED_LABELS = {"rank", "kind", "op", "group_kind", "direction", "quantile", "host", "world_size", "dp", "pp", "tp"}
+ALLOWED_LABELS = {"rank", "kind", "op", "group_kind", "direction", "quantile", "host", "world_size", "dp", "pp", "tp",
+                  "reason"}
 
 
 @pytest.fixture(scope="module")

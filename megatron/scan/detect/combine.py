@@ -42,6 +42,18 @@ class Detection:
 
 Analyzer = Callable[[DetectionInput], Any]
 
+
+def _add_gpu_readings(data: DetectionInput, suspects: list) -> None:
+    """Each suspect rank with NVML readings carries them: why its GPU may be slow (clock against its
+    maximum, power against its limit, temperature, the throttle reasons seen, new ECC errors)."""
+    from megatron.scan.gpu_counters import explain
+
+    for suspect in suspects:
+        summary = data.gpu.get(suspect.ranks[0]) if suspect.kind == "rank" else None
+        if summary:
+            suspect.evidence.append(explain(summary))
+            suspect.details["gpu"] = summary
+
 # A rank starved from an onset on (a change point found among many candidate splits, so more
 # often chance than starvation over the whole run) is named by it only if its compute falls
 # behind its peers' over the same iterations: STARVED_SLOWER times theirs (median per-iteration
@@ -166,6 +178,7 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
     suspects = _drop_tensor_parallel_victims(data, stage2, suspects, notes)
     suspects = _drop_pipeline_victims(data, stage2, stage3, stage4, suspects, notes)
     suspects.sort(key=lambda s: (-s.confidence, s.ranks))
+    _add_gpu_readings(data, suspects)
     comparable = (any(f.method != "history" for f in stage1.findings.values()) or stage2.instances > 0
                   or len(stage3.links) > 0)
     if suspects:

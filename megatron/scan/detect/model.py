@@ -52,6 +52,8 @@ class DetectionInput:
     layers: dict[str, np.ndarray] = field(default_factory=lambda: _empty(LAYER_COLUMNS))
     # per traced iteration, where the tracer could read them: CPU time and run-queue wait (ms)
     host: dict[str, np.ndarray] = field(default_factory=lambda: _empty_float(HOST_COLUMNS))
+    # per rank with NVML readings (CUDA ranks with nvidia-ml-py): gpu_counters.summarize of its iterations
+    gpu: dict[int, dict] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -109,6 +111,18 @@ def host_table(windows: dict[int, list[dict]]) -> dict[str, np.ndarray]:
         return _empty_float(HOST_COLUMNS)
     table = np.array(rows, dtype=np.float64)
     return {name: table[:, i] for i, name in enumerate(HOST_COLUMNS)}
+
+
+def gpu_summaries(windows: dict[int, list[dict]]) -> dict[int, dict]:
+    """Per rank, what its GPU's NVML readings over the traced iterations say (gpu_counters.summarize)."""
+    from megatron.scan.gpu_counters import summarize
+
+    out = {}
+    for rank, ws in windows.items():
+        summary = summarize([m for w in ws for m in w.get("metrics") or []])
+        if summary is not None:
+            out[rank] = summary
+    return out
 
 
 def busy_compute(rank: np.ndarray, name: np.ndarray, start: np.ndarray, end: np.ndarray, flags: np.ndarray,
@@ -212,4 +226,4 @@ def from_aggregation(aggregation: Any) -> DetectionInput:
                   "start": c["start"][it], "end": c["end"][it]}
     return DetectionInput(roles=roles, sizes=sizes, compute=compute, collectives=coll, group_kinds=kinds, p2p=messages,
                           iteration_time=iterations, layers=layers, host=host_table(getattr(trace, "windows", {}) or {}),
-                          warnings=list(trace.warnings))
+                          gpu=gpu_summaries(getattr(trace, "windows", {}) or {}), warnings=list(trace.warnings))

@@ -1,0 +1,158 @@
+"""Capture on demand: a running job traces the next K iterations on every rank, from an iteration
+all ranks agreed on, when asked (`python -m megatron.scan capture --job DIR --iterations K`).
+
+The request is a file in the trace directory on rank 0's node (DIR/control/request-*.json; no
+shared file system is needed). Rank 0 turns it into a decision (start iteration, K; or a new
+window schedule) and every iteration broadcasts the latest decision over a gloo side group, with
+an asynchronous broadcast issued after one iteration and waited for after the next, so the
+training step never waits on it. The start is two iterations after rank 0 read the request, so
+every rank knows it before the window begins. Rank 0 writes DIR/control/agreed-<id>.json with
+what was decided, which the command waits for."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron.scan.tracer import WindowSchedule
+
+_FIELDS = 6  # decision id, start, iterations, interval, continuous, from_iteration
+
+
+@dataclass
+class CaptureSchedule:
+    """The launch-time window schedule, changeable from an agreed iteration on, plus on-demand
+    windows. Inside an on-demand window the regular schedule is suspended, so the window is
+    exactly the requested iterations."""
+
+    base: WindowSchedule
+    captures: list[tuple[int, int]] = field(default_factory=list)  # (first iteration, count)
+    changes: list[tuple[int, WindowSchedule]] = field(default_factory=list)  # (from iteration, schedule)
+
+    def _capture(self, iteration: int) -> tuple[int, int] | None:
+        for start, count in self.captures:
+            if start <= iteration < start + count:
+                return start, count
+        return None
+
+    def _base(self, iteration: int) -> WindowSchedule:
+        schedule = self.base
+        for start, changed in self.changes:
+            if iteration >= start:
+                schedule = changed
+        return schedule
+
+    def is_traced(self, iteration: int) -> bool:
+        return self._capture(iteration) is not None or self._base(iteration).is_traced(iteration)
+
+    def is_window_end(self, iteration: int) -> bool:
+        capture = self._capture(iteration)
+        if capture is not None:
+            return iteration == capture[0] + capture[1] - 1
+        base = self._base(iteration)
+        if self._capture(iteration + 1) is not None:
+            return base.is_traced(iteration)  # a regular window is closed where a capture begins
+        return base.is_window_end(iteration)
+
+
+def request_directory(trace_dir: str | os.PathLike) -> Path:
+    return Path(trace_dir) / "control"
+
+
+def write_request(trace_dir: str | os.PathLike, request: dict) -> Path:
+    """Leaves a request for the job writing `trace_dir` (rank 0 picks it up); returns its path."""
+    directory = request_directory(trace_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"request-{time.time_ns()}-{os.getpid()}.json"
+    temporary = directory / f".{name}.tmp"
+    temporary.write_text(json.dumps(request))
+    os.replace(temporary, directory / name)
+    return directory / name
+
+
+class ControlExchange:
+    """One per rank. `after_iteration(i)` applies what rank 0 decided and (rank 0) reads new
+    requests; all ranks call it after every iteration."""
+
+    def __init__(self, trace_dir: str | os.PathLike, rank: int, schedule: CaptureSchedule, group=None) -> None:
+        import torch
+
+        self.directory = request_directory(trace_dir)
+        self.rank, self.schedule, self.group = rank, schedule, group
+        self.latest = torch.zeros(_FIELDS, dtype=torch.int64)  # rank 0's last decision
+        self.buffer = torch.zeros(_FIELDS, dtype=torch.int64)
+        self.pending = None
+        self.applied = 0  # id of the last decision applied here
+        self.next_id = 1
+
+    def after_iteration(self, iteration: int) -> None:
+        import torch.distributed as dist
+
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+            self._apply(self.buffer.tolist())
+        if self.rank == 0:
+            self._read_requests(iteration)
+            self.buffer.copy_(self.latest)
+        if self.group is not None:
+            broadcast = getattr(dist.broadcast, "__megascan_original__", dist.broadcast)
+            self.pending = broadcast(self.buffer, src=0, group=self.group, async_op=True)
+        else:  # a single process: no exchange, decisions apply at once
+            self._apply(self.buffer.tolist())
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+    def _apply(self, values: list[int]) -> None:
+        decision, start, count, interval, continuous, from_iteration = values
+        if decision <= self.applied:
+            return
+        self.applied = decision
+        if count > 0:
+            self.schedule.captures.append((start, count))
+        if interval > 0:
+            self.schedule.changes.append((from_iteration, WindowSchedule(interval, continuous)))
+
+    def _read_requests(self, iteration: int) -> None:
+        try:
+            names = sorted(p for p in os.listdir(self.directory) if p.startswith("request-") and p.endswith(".json"))
+        except OSError:
+            return
+        if not names:
+            return
+        path = self.directory / names[0]  # one decision per iteration; the others wait their turn
+        try:
+            request = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            self._answer(path, {"error": f"unreadable request: {exc}"})
+            return
+        # Two iterations on: the broadcast issued now is waited for after the next iteration.
+        start = iteration + 2
+        busy_until = max((s + c for s, c in self.schedule.captures), default=0)
+        start = max(start, busy_until)
+        count = int(request.get("iterations") or 0)
+        interval = int(request.get("interval") or 0)
+        continuous = int(request.get("continuous") or (1 if interval else 0))
+        if count < 0 or interval < 0 or (interval and not 1 <= continuous <= interval) or not (count or interval):
+            self._answer(path, {"error": "a request needs iterations >= 1, or an interval >= 1 with "
+                                         "1 <= continuous <= interval", "request": request})
+            return
+        decision = self.next_id
+        self.next_id += 1
+        self.latest.copy_(self.latest.new_tensor([decision, start, count, interval, continuous, start]))
+        answer = {"id": decision, "start": start, "iterations": count, "read_at_iteration": iteration}
+        if interval:
+            answer.update(interval=interval, continuous=continuous)
+        self._answer(path, answer)
+
+    def _answer(self, path: Path, answer: dict) -> None:
+        agreed = path.with_name(path.name.replace("request-", "agreed-"))
+        temporary = agreed.with_name(f".{agreed.name}.tmp")
+        temporary.write_text(json.dumps(answer))
+        os.replace(temporary, agreed)
+        path.unlink(missing_ok=True)

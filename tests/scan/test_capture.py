@@ -1,0 +1,132 @@
+"""Capture on demand against a running 4-rank job (PP=2 x DP=2 on CPU): `python -m megatron.scan
+capture --job DIR --iterations 3` while it trains gives every rank exactly that window, from an
+iteration they agreed on, beside its launch-time schedule."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from launch import ROOT, env, free_port, kill_tree
+from megatron.scan.control import CaptureSchedule
+from megatron.scan.load import load_directory
+from megatron.scan.tracer import WindowSchedule
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--mock-data", "--vocab-size", "256",
+         "--device", "cpu"]
+
+
+def traced_iterations(directory) -> dict[int, list[list[int]]]:
+    trace = load_directory(directory, jobs=1)
+    return {rank: [[m["iteration"] for m in meta.get("metrics") or []] for meta in metas]
+            for rank, metas in trace.windows.items()}
+
+
+def test_a_capture_asked_of_a_running_job_traces_exactly_that_window_on_every_rank(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), "pretrain_gpt.py", *MODEL, "--pipeline-model-parallel-size", "2",
+               "--train-iters", "150", "--trace", "--trace-dir", str(tmp_path), "--trace-interval", "1000",
+               "--continuous-trace-iterations", "1"]
+    log_path = tmp_path / "torchrun.log"
+    with open(log_path, "w") as log:
+        job = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 180
+            while "iteration       10/" not in log_path.read_text() and time.monotonic() < deadline:
+                assert job.poll() is None, log_path.read_text()[-3000:]
+                time.sleep(0.3)
+            asked = subprocess.run([sys.executable, "-m", "megatron.scan", "capture", "--job", str(tmp_path),
+                                    "--iterations", "3", "--wait", "60"],
+                                   cwd=ROOT, env=env(), capture_output=True, text=True, timeout=90)
+            assert asked.returncode == 0, asked.stdout + asked.stderr
+            assert job.wait(timeout=240) == 0, log_path.read_text()[-3000:]
+        finally:
+            kill_tree(job.pid)
+    words = asked.stdout.split("iterations ")[1].split(" are traced")[0]
+    start, end = (int(v) for v in words.split(".."))
+    assert end == start + 2 and start >= 12, asked.stdout
+    windows = traced_iterations(tmp_path)
+    assert sorted(windows) == [0, 1, 2, 3]
+    for rank, found in windows.items():
+        # The launch-time window (iteration 0 of every 1000) and exactly the captured one.
+        assert found == [[0], [start, start + 1, start + 2]], (rank, found)
+    assert not list((tmp_path / "control").glob("request-*.json"))  # taken and answered
+
+
+def test_a_schedule_change_and_captures_compose():
+    schedule = CaptureSchedule(WindowSchedule(10, 2))
+    schedule.captures.append((15, 3))
+    schedule.changes.append((30, WindowSchedule(4, 1)))
+    traced = [i for i in range(40) if schedule.is_traced(i)]
+    ends = [i for i in range(40) if schedule.is_window_end(i)]
+    assert traced == [0, 1, 10, 11, 15, 16, 17, 20, 21, 32, 36]
+    assert ends == [1, 11, 17, 21, 32, 36]
+    schedule.captures.append((21, 2))  # a capture starting inside a regular window closes it first
+    assert schedule.is_window_end(20) and schedule.is_window_end(22) and not schedule.is_window_end(21)
+
+
+def test_capture_through_rank_zeros_metrics_port_needs_the_token(tmp_path):
+    """The same request over HTTP: refused without the token (401) and on another rank's port
+    (409); with it, the CLI gets the agreed window and the trace has exactly that window."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from megatron.scan.metrics import read_targets
+
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-of-this-test\n")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), "pretrain_gpt.py", *MODEL, "--pipeline-model-parallel-size", "2",
+               "--train-iters", "150", "--trace", "--trace-dir", str(tmp_path), "--trace-interval", "1000",
+               "--continuous-trace-iterations", "1", "--metrics-port", "0",
+               "--metrics-control-token-file", str(token)]
+    log_path = tmp_path / "torchrun.log"
+    with open(log_path, "w") as log:
+        job = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 180
+            while ("iteration       10/" not in log_path.read_text() or len(read_targets(tmp_path)) < 4) \
+                    and time.monotonic() < deadline:
+                assert job.poll() is None, log_path.read_text()[-3000:]
+                time.sleep(0.3)
+            targets = read_targets(tmp_path)
+            codes = []
+            for rank, headers in ((0, {}), (1, {"Authorization": "Bearer s3cret-token-of-this-test"})):
+                request = urllib.request.Request(f"http://{targets[rank]}/capture", data=b'{"iterations": 2}',
+                                                 headers=headers)
+                try:
+                    urllib.request.urlopen(request, timeout=10)
+                except urllib.error.HTTPError as exc:
+                    codes.append((exc.code, json.loads(exc.read())["error"]))
+            assert codes[0][0] == 401 and codes[1][0] == 409 and "rank 0" in codes[1][1], codes
+            asked = subprocess.run([sys.executable, "-m", "megatron.scan", "capture", "--job", f"http://{targets[0]}",
+                                    "--token-file", str(token), "--iterations", "2", "--wait", "60"],
+                                   cwd=ROOT, env=env(), capture_output=True, text=True, timeout=90)
+            assert asked.returncode == 0, asked.stdout + asked.stderr
+            assert job.wait(timeout=240) == 0, log_path.read_text()[-3000:]
+        finally:
+            kill_tree(job.pid)
+    start = int(asked.stdout.split("iterations ")[1].split("..")[0])
+    for rank, found in traced_iterations(tmp_path).items():
+        assert found == [[0], [start, start + 1]], (rank, found)
+
+
+def test_a_metrics_port_without_a_token_is_read_only():
+    import urllib.error
+    import urllib.request
+
+    from megatron.scan.metrics import RankMetrics
+
+    metrics = RankMetrics({"rank": 0, "world_size": 1})
+    port = metrics.serve(0, "127.0.0.1")
+    try:
+        assert b"megascan_iterations_total" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read()
+        try:
+            urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/capture", data=b"{}"))
+            raise AssertionError("a capture was accepted by a read-only port")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 403
+    finally:
+        metrics.close()
