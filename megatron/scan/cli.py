@@ -100,6 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="from then on, trace --continuous-trace-iterations of every N iterations")
     c.add_argument("--continuous-trace-iterations", type=int, default=None, metavar="C",
                    help="with --trace-interval: iterations per window (default 1)")
+    c.add_argument("--online-detect-confirm", type=int, default=None, metavar="N",
+                   help="change the job's --online-detect-confirm (analyses in a row before a single-analyzer "
+                        "suspect is reported) from its next analysis on")
+    c.add_argument("--online-detect-min-slowdown", type=float, default=None, metavar="X",
+                   help="change the job's --online-detect-min-slowdown (compute factor over peers) from its next "
+                        "analysis on")
     c.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
                    help="how long to wait for rank 0's answer (0: do not wait)")
     args = parser.parse_args(argv)
@@ -132,14 +138,18 @@ def run_capture(args: argparse.Namespace) -> int:
 
     from megatron.scan.control import write_request
 
-    if args.iterations is None and args.trace_interval is None:
-        print("error: give --iterations K (a window now) or --trace-interval N (a new schedule)", file=sys.stderr)
+    settings = {"online_detect_confirm": args.online_detect_confirm,
+                "online_detect_min_slowdown": args.online_detect_min_slowdown}
+    settings = {key: value for key, value in settings.items() if value is not None}
+    if args.iterations is None and args.trace_interval is None and not settings:
+        print("error: give --iterations K (a window now), --trace-interval N (a new schedule), or online detection "
+              "thresholds (--online-detect-confirm, --online-detect-min-slowdown)", file=sys.stderr)
         return 2
     if args.iterations is not None and args.iterations < 1 or args.trace_interval is not None and args.trace_interval < 1:
         print("error: --iterations and --trace-interval must be >= 1", file=sys.stderr)
         return 2
     request = {"iterations": args.iterations or 0, "interval": args.trace_interval or 0,
-               "continuous": args.continuous_trace_iterations or 0}
+               "continuous": args.continuous_trace_iterations or 0, **settings}
     if args.job.startswith(("http://", "https://")):
         fetch = _http_capture(args, request)
         if fetch is None:
@@ -161,6 +171,9 @@ def run_capture(args: argparse.Namespace) -> int:
                 print(f"error: the job refused the request: {answer['error']}", file=sys.stderr)
                 return 2
             what = []
+            if answer.get("online_detect"):
+                what.append("online detection now uses " + ", ".join(f"{k} {v:g}" for k, v in
+                                                                     answer["online_detect"].items()))
             if answer.get("iterations"):
                 what.append(f"iterations {answer['start']}..{answer['start'] + answer['iterations'] - 1} are traced "
                             f"on every rank")
@@ -191,7 +204,8 @@ def _http_capture(args: argparse.Namespace, request: dict):
         headers = {"Authorization": f"Bearer {f.read().strip()}", "Content-Type": "application/json"}
     base = args.job.rstrip("/")
     body = json.dumps({"iterations": request["iterations"], "trace_interval": request["interval"],
-                       "continuous_trace_iterations": request["continuous"]}).encode()
+                       "continuous_trace_iterations": request["continuous"],
+                       **{k: v for k, v in request.items() if k.startswith("online_detect_")}}).encode()
     try:
         with urllib.request.urlopen(urllib.request.Request(f"{base}/capture", data=body, headers=headers),
                                     timeout=10) as reply:

@@ -7,7 +7,11 @@ window schedule) and every iteration broadcasts the latest decision over a gloo 
 an asynchronous broadcast issued after one iteration and waited for after the next, so the
 training step never waits on it. The start is two iterations after rank 0 read the request, so
 every rank knows it before the window begins. Rank 0 writes DIR/control/agreed-<id>.json with
-what was decided, which the command waits for."""
+what was decided, which the command waits for.
+
+A request may also change online detection's thresholds (`online_detect_confirm`,
+`online_detect_min_slowdown`): those matter on rank 0 only, where the detector runs, so rank 0
+applies them at once (its `settings_listeners`) and nothing is broadcast for them."""
 from __future__ import annotations
 
 import json
@@ -86,6 +90,9 @@ class ControlExchange:
         self.pending = None
         self.applied = 0  # id of the last decision applied here
         self.next_id = 1
+        # Rank 0: callables taking {"confirm": int, "min_slowdown": float} (what changed), each
+        # returning the settings now in force; none where the job runs no online detection.
+        self.settings_listeners: list = []
 
     def after_iteration(self, iteration: int) -> None:
         import torch.distributed as dist
@@ -103,10 +110,21 @@ class ControlExchange:
         else:  # a single process: no exchange, decisions apply at once
             self._apply(self.buffer.tolist())
 
-    def close(self) -> None:
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
+    def close(self, timeout: float | None = None) -> None:
+        """Waits for the last broadcast: at the end of training, where every rank issued it. With
+        `timeout` (a process exiting, its peers perhaps gone) it gives up after that long."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        if timeout is None:
+            pending.wait()
+            return
+        import datetime
+
+        try:
+            pending.wait(datetime.timedelta(seconds=timeout))
+        except Exception:  # noqa: BLE001 - a peer already gone: nothing left to agree on
+            pass
 
     def _apply(self, values: list[int]) -> None:
         decision, start, count, interval, continuous, from_iteration = values
@@ -131,24 +149,49 @@ class ControlExchange:
         except (OSError, ValueError) as exc:
             self._answer(path, {"error": f"unreadable request: {exc}"})
             return
-        # Two iterations on: the broadcast issued now is waited for after the next iteration.
-        start = iteration + 2
-        busy_until = max((s + c for s, c in self.schedule.captures), default=0)
-        start = max(start, busy_until)
+        problem, settings = self._settings(request)
         count = int(request.get("iterations") or 0)
         interval = int(request.get("interval") or 0)
         continuous = int(request.get("continuous") or (1 if interval else 0))
-        if count < 0 or interval < 0 or (interval and not 1 <= continuous <= interval) or not (count or interval):
-            self._answer(path, {"error": "a request needs iterations >= 1, or an interval >= 1 with "
-                                         "1 <= continuous <= interval", "request": request})
+        if problem is None and (count < 0 or interval < 0 or (interval and not 1 <= continuous <= interval)
+                                or not (count or interval or settings)):
+            problem = ("a request needs iterations >= 1, or an interval >= 1 with 1 <= continuous <= interval, "
+                       "or online detection settings")
+        if problem is not None:
+            self._answer(path, {"error": problem, "request": request})
             return
-        decision = self.next_id
-        self.next_id += 1
-        self.latest.copy_(self.latest.new_tensor([decision, start, count, interval, continuous, start]))
-        answer = {"id": decision, "start": start, "iterations": count, "read_at_iteration": iteration}
-        if interval:
-            answer.update(interval=interval, continuous=continuous)
+        answer = {"read_at_iteration": iteration}
+        if settings:
+            for listener in self.settings_listeners:
+                answer["online_detect"] = listener(settings)
+        if count or interval:
+            # Two iterations on: the broadcast issued now is waited for after the next iteration.
+            start = max(iteration + 2, max((s + c for s, c in self.schedule.captures), default=0))
+            decision = self.next_id
+            self.next_id += 1
+            self.latest.copy_(self.latest.new_tensor([decision, start, count, interval, continuous, start]))
+            answer.update(id=decision, start=start, iterations=count)
+            if interval:
+                answer.update(interval=interval, continuous=continuous)
         self._answer(path, answer)
+
+    def _settings(self, request: dict) -> tuple[str | None, dict]:
+        """(what is wrong with the request's online detection settings or None, the settings)."""
+        settings = {}
+        try:
+            if request.get("online_detect_confirm") is not None:
+                settings["confirm"] = int(request["online_detect_confirm"])
+                if settings["confirm"] < 1:
+                    return "online_detect_confirm must be >= 1 (1 reports every finding at once)", {}
+            if request.get("online_detect_min_slowdown") is not None:
+                settings["min_slowdown"] = float(request["online_detect_min_slowdown"])
+                if not settings["min_slowdown"] >= 1.0:
+                    return "online_detect_min_slowdown must be >= 1.0 (a factor over the rank's peers)", {}
+        except (TypeError, ValueError) as exc:
+            return f"online detection settings must be numbers: {exc}", {}
+        if settings and not self.settings_listeners:
+            return "this job runs no online detection (start it with --online-detect)", {}
+        return None, settings
 
     def _answer(self, path: Path, answer: dict) -> None:
         agreed = path.with_name(path.name.replace("request-", "agreed-"))

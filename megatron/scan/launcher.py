@@ -42,6 +42,8 @@ def launch_environment(args: argparse.Namespace, base: dict[str, str] | None = N
     env["MEGASCAN_HANG_TIMEOUT"] = str(args.hang_timeout)
     if args.metrics_port is not None:
         env["MEGASCAN_METRICS_PORT"] = str(args.metrics_port)
+    if args.metrics_control_token_file:
+        env["MEGASCAN_METRICS_CONTROL_TOKEN_FILE"] = str(Path(args.metrics_control_token_file).resolve())
     return env
 
 
@@ -54,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dump stacks and collectives after SECONDS without progress (0: off)")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="serve Prometheus metrics on PORT + local rank (0: ephemeral)")
+    parser.add_argument("--metrics-control-token-file", default=None, metavar="FILE",
+                        help="accept POST /capture on rank 0's metrics port from callers presenting the token in FILE "
+                             "(`Authorization: Bearer TOKEN`); without it the port is read-only")
     parser.add_argument("--print-env", action="store_true",
                         help="print the environment-variable form instead of running COMMAND")
     parser.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="torchrun ... script.py args")
@@ -67,10 +72,19 @@ def run(args: argparse.Namespace) -> int:
         print("error: need --trace-interval >= 1 and 1 <= --continuous-trace-iterations <= --trace-interval",
               file=sys.stderr)
         return 2
+    if args.metrics_control_token_file:
+        from megatron.scan.metrics import read_control_token
+
+        try:
+            read_control_token(args.metrics_control_token_file)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     env = launch_environment(args)
     if args.print_env:
         for key in ("PYTHONPATH", "MEGASCAN_TRACE_DIR", "MEGASCAN_RUN_ID", "MEGASCAN_TRACE_INTERVAL",
-                    "MEGASCAN_CONTINUOUS_ITERATIONS", "MEGASCAN_HANG_TIMEOUT", "MEGASCAN_METRICS_PORT"):
+                    "MEGASCAN_CONTINUOUS_ITERATIONS", "MEGASCAN_HANG_TIMEOUT", "MEGASCAN_METRICS_PORT",
+                    "MEGASCAN_METRICS_CONTROL_TOKEN_FILE"):
             if key in env:
                 print(f"export {key}={env[key]}")
         return 0
@@ -203,6 +217,8 @@ class LaunchSession:
         self.hang_timeout = float(environ.get("MEGASCAN_HANG_TIMEOUT", "300"))
         port = environ.get("MEGASCAN_METRICS_PORT")
         self.metrics_port = int(port) if port not in (None, "") else None
+        self.token_file = environ.get("MEGASCAN_METRICS_CONTROL_TOKEN_FILE") or None
+        self.control = None
         self.tracer = None
         self.watchdog = None
         self.crash = None
@@ -220,6 +236,7 @@ class LaunchSession:
 
         from megatron.scan.timers import build_timer
         from megatron.scan.trace_format import TraceWriter, header_fields, trace_file_name
+        from megatron.scan.control import CaptureSchedule, ControlExchange
         from megatron.scan.tracer import Tracer, WindowSchedule
         from megatron.scan.watchdog import CrashCapture, Watchdog, process_identity
 
@@ -234,8 +251,12 @@ class LaunchSession:
                    "launcher": {"argv": sys.argv[:16]}, "num_microbatches": 1, "schedule": [],
                    "start_iteration": 0})
         writer = TraceWriter(self.directory / trace_file_name(rank, 0, 0), header)
-        self.tracer = tracer = Tracer(writer=writer, timer=build_timer("cpu", None),
-                                      schedule=WindowSchedule(self.interval, self.continuous))
+        # Windows on demand (`python -m megatron.scan capture --job DIR`), agreed over a gloo side
+        # group that every rank creates here alike, as the trainer's ranks do.
+        schedule = CaptureSchedule(WindowSchedule(self.interval, self.continuous))
+        side = dist.new_group(backend="gloo") if world_size > 1 else None
+        self.control = ControlExchange(self.directory, rank, schedule, side)
+        self.tracer = tracer = Tracer(writer=writer, timer=build_timer("cpu", None), schedule=schedule)
         tracer.collectives.install(ALIAS_PREFIXES)
         tracer.trace_point_to_point(ALIAS_PREFIXES)
         identity = process_identity(rank, world_size, {"dp": rank, "pp": 0, "tp": 0})
@@ -260,7 +281,11 @@ class LaunchSession:
 
         self.metrics = RankMetrics(identity)
         port = 0 if self.metrics_port == 0 else self.metrics_port + identity["local_rank"]
-        self.metrics.serve(port)
+        from megatron.scan.metrics import not_rank_zero, control_handler, read_control_token
+
+        token = read_control_token(self.token_file) if self.token_file else None
+        control = control_handler(self.directory, token, traced=True)
+        self.metrics.serve(port, control=control if identity["rank"] == 0 else not_rank_zero)
         self.metrics.write_target(self.directory)
         self.tracer.collectives.listeners.append(self.metrics.on_collective)
         if self.watchdog is not None:
@@ -295,6 +320,7 @@ class LaunchSession:
                 tracer.events.append(("iteration", self._iteration_start, now, self.iteration, -1, -1, -1, -1, -1,
                                       -1, -1, 0, None))
             seconds = (now - self._iteration_start) * 1e-9
+            self.control.after_iteration(self.iteration)  # a window agreed on may close the current one
             tracer.end_iteration(self.iteration, {"iteration_time": seconds})
             self.iteration += 1
             self._iteration_start = now
@@ -396,6 +422,8 @@ class LaunchSession:
         return work.get_future().then(done)
 
     def close(self, reason: str = "exit") -> None:
+        if self.control is not None:
+            self.control.close(timeout=10.0)  # the last decision's broadcast, if every rank got that far
         if self.tracer is not None and not self.tracer.closed:
             with self._lock:
                 self.tracer.close({"reason": reason, "iterations": self.iteration})

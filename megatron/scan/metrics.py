@@ -310,11 +310,9 @@ class MetricsPlugin(Plugin):
         token = None
         if args.metrics_control_token_file:
             try:
-                token = Path(args.metrics_control_token_file).read_text().strip()
-            except OSError as exc:
-                raise ConfigError(f"--metrics-control-token-file: cannot read it: {exc}") from None
-            if len(token) < 16:
-                raise ConfigError("--metrics-control-token-file: the token must have at least 16 characters")
+                token = read_control_token(args.metrics_control_token_file)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         self.config = MetricsConfig(port=args.metrics_port, addr=args.metrics_addr,
                                     score_interval=args.metrics_score_interval, control_token=token,
                                     traced=bool(getattr(args, "trace", False)))
@@ -332,7 +330,8 @@ class MetricsPlugin(Plugin):
                                     {"dp": ctx.dp_rank, "pp": ctx.pp_rank, "tp": ctx.tp_rank})
         self.metrics = metrics = RankMetrics(identity)
         port = 0 if config.port == 0 else config.port + identity["local_rank"]
-        metrics.serve(port, config.addr, control=self._control if ctx.rank == 0 else _not_rank_zero)
+        control = control_handler(self.directory, config.control_token, config.traced)
+        metrics.serve(port, config.addr, control=control if ctx.rank == 0 else not_rank_zero)
         metrics.write_target(self.directory)
         from megatron.scan.gpu_counters import GpuCounters
 
@@ -340,35 +339,6 @@ class MetricsPlugin(Plugin):
         print(f"[megascan] rank {ctx.rank}: metrics on :{metrics.port}/metrics", file=sys.stderr, flush=True)
         shared_collective_observer()  # collectives wrapped (by the tracer, or here), reported to observers
         set_observer(MetricsSpans(metrics))
-
-    def _control(self, body: dict | None, authorization: str, answer: str | None = None) -> tuple[int, dict]:
-        """POST /capture on rank 0: the same request as `python -m megatron.scan capture`; GET
-        /capture/<answer> then returns rank 0's answer (404 until it is made)."""
-        import hmac
-
-        from megatron.scan.control import write_request
-
-        token = self.config.control_token
-        if token is None:
-            return 403, {"error": "this metrics port is read-only: start the job with --metrics-control-token-file "
-                                  "to accept capture requests"}
-        if not hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode()):
-            return 401, {"error": "missing or wrong token (Authorization: Bearer TOKEN)"}
-        if answer is not None:
-            from megatron.scan.control import request_directory
-
-            if not (answer.startswith("agreed-") and answer.endswith(".json") and "/" not in answer):
-                return 400, {"error": "no such answer"}
-            try:
-                return 200, json.loads((request_directory(self.directory) / answer).read_text())
-            except (OSError, ValueError):
-                return 404, {"error": "not answered yet"}
-        if not self.config.traced:
-            return 409, {"error": "the job is not traced: captures need --trace"}
-        request = {"iterations": int(body.get("iterations") or 0), "interval": int(body.get("trace_interval") or 0),
-                   "continuous": int(body.get("continuous_trace_iterations") or 0)}
-        path = write_request(self.directory, request)
-        return 202, {"request": path.name, "answer": path.name.replace("request-", "agreed-")}
 
     def after_iteration(self, ctx, iteration: int, metrics: dict[str, Any]) -> None:
         self._window.append(self.metrics.on_iteration(metrics))
@@ -402,7 +372,54 @@ class MetricsPlugin(Plugin):
             self.gpu.close()
 
 
-def _not_rank_zero(body: dict | None, authorization: str, answer: str | None = None) -> tuple[int, dict]:
+def read_control_token(path: str | os.PathLike) -> str:
+    """The token in --metrics-control-token-file; ValueError saying what to change."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"--metrics-control-token-file: cannot read it: {exc}") from None
+    if len(token) < 16:
+        raise ValueError("--metrics-control-token-file: the token must have at least 16 characters")
+    return token
+
+
+def control_handler(directory, token: str | None, traced: bool):
+    """Rank 0's POST /capture: the same request as `python -m megatron.scan capture`, left in
+    `directory`'s control folder; GET /capture/<answer> then returns rank 0's answer (404 until it
+    is made). Without a token every control request is refused (403): the port is read-only."""
+    import hmac
+
+    from megatron.scan.control import request_directory, write_request
+
+    def control(body: dict | None, authorization: str, answer: str | None = None) -> tuple[int, dict]:
+        if token is None:
+            return 403, {"error": "this metrics port is read-only: start the job with --metrics-control-token-file "
+                                  "to accept capture requests"}
+        if not hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode()):
+            return 401, {"error": "missing or wrong token (Authorization: Bearer TOKEN)"}
+        if answer is not None:
+            if not (answer.startswith("agreed-") and answer.endswith(".json") and "/" not in answer):
+                return 400, {"error": "no such answer"}
+            try:
+                return 200, json.loads((request_directory(directory) / answer).read_text())
+            except (OSError, ValueError):
+                return 404, {"error": "not answered yet"}
+        if not traced:
+            return 409, {"error": "the job is not traced: captures need --trace"}
+        try:
+            request = {"iterations": int(body.get("iterations") or 0), "interval": int(body.get("trace_interval") or 0),
+                       "continuous": int(body.get("continuous_trace_iterations") or 0),
+                       **{key: body[key] for key in ("online_detect_confirm", "online_detect_min_slowdown")
+                          if body.get(key) is not None}}
+        except (AttributeError, TypeError, ValueError) as exc:
+            return 400, {"error": f"a capture request is a JSON object of numbers: {exc}"}
+        path = write_request(directory, request)
+        return 202, {"request": path.name, "answer": path.name.replace("request-", "agreed-")}
+
+    return control
+
+
+def not_rank_zero(body: dict | None, authorization: str, answer: str | None = None) -> tuple[int, dict]:
     return 409, {"error": "send control requests to rank 0's metrics port (DIR/metrics-targets-rank0.json)"}
 
 

@@ -3,6 +3,7 @@ capture --job DIR --iterations 3` while it trains gives every rank exactly that 
 iteration they agreed on, beside its launch-time schedule."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -130,3 +131,92 @@ def test_a_metrics_port_without_a_token_is_read_only():
             assert exc.code == 403
     finally:
         metrics.close()
+
+
+def test_capture_works_with_the_zero_code_launcher(tmp_path):
+    """A plain DDP script under `python -m megatron.scan launch` (optimizer steps are iterations):
+    the same capture over rank 0's metrics port traces exactly the agreed steps on every rank."""
+    from megatron.scan.metrics import read_targets
+
+    token = tmp_path / "token"
+    token.write_text("another-token-of-this-test\n")
+    trace_dir = tmp_path / "trace"
+    command = [sys.executable, "-m", "megatron.scan", "launch", "--trace-dir", str(trace_dir), "--trace-interval",
+               "1000", "--continuous-trace-iterations", "1", "--metrics-port", "0", "--metrics-control-token-file",
+               str(token), "--", sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+               str(ROOT / "examples" / "scan" / "plain_ddp.py"), "--steps", "400", "--slow-rank", "1", "--slow-ms", "15"]
+    log_path = tmp_path / "launch.log"
+    with open(log_path, "w") as log:
+        job = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while len(read_targets(trace_dir)) < 4 and time.monotonic() < deadline:
+                assert job.poll() is None, log_path.read_text()[-3000:]
+                time.sleep(0.2)
+            asked = subprocess.run([sys.executable, "-m", "megatron.scan", "capture", "--job",
+                                    f"http://{read_targets(trace_dir)[0]}", "--token-file", str(token),
+                                    "--iterations", "4", "--wait", "60"],
+                                   cwd=ROOT, env=env(), capture_output=True, text=True, timeout=90)
+            assert asked.returncode == 0, asked.stdout + asked.stderr + log_path.read_text()[-3000:]
+            assert job.wait(timeout=240) == 0, log_path.read_text()[-3000:]
+        finally:
+            kill_tree(job.pid)
+    start = int(asked.stdout.split("iterations ")[1].split("..")[0])
+    assert start < 398, asked.stdout  # taken while the job ran
+    windows = traced_iterations(trace_dir)
+    assert sorted(windows) == [0, 1, 2, 3]
+    for rank, found in windows.items():
+        assert found == [[0], [start, start + 1, start + 2, start + 3]], (rank, found)
+
+
+def test_online_detection_thresholds_change_on_a_running_job(tmp_path):
+    """`capture --online-detect-confirm 1 --online-detect-min-slowdown 3` while the job runs: rank 0
+    answers with the settings now in force and the analyses after it use them."""
+    import json
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), "pretrain_gpt.py", *MODEL, "--pipeline-model-parallel-size", "2",
+               "--train-iters", "60", "--trace", "--trace-dir", str(tmp_path), "--trace-interval", "2",
+               "--continuous-trace-iterations", "2", "--online-detect"]
+    log_path = tmp_path / "torchrun.log"
+    with open(log_path, "w") as log:
+        job = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 180
+            while "iteration       10/" not in log_path.read_text() and time.monotonic() < deadline:
+                assert job.poll() is None, log_path.read_text()[-3000:]
+                time.sleep(0.3)
+            asked = subprocess.run([sys.executable, "-m", "megatron.scan", "capture", "--job", str(tmp_path),
+                                    "--online-detect-confirm", "1", "--online-detect-min-slowdown", "3",
+                                    "--wait", "60"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=90)
+            assert asked.returncode == 0, asked.stdout + asked.stderr
+            assert job.wait(timeout=240) == 0, log_path.read_text()[-3000:]
+        finally:
+            kill_tree(job.pid)
+    assert "online detection now uses confirm 1, min_slowdown 3" in asked.stdout, asked.stdout
+    assert "online detection settings changed" in log_path.read_text()
+    final = json.loads((tmp_path / "online_abnormal.json").read_text())
+    assert final["settings"] == {"confirm": 1, "min_slowdown": 3.0}
+    assert final["iterations"][1] >= 50  # the last analysis, well after the change
+
+
+def test_bad_threshold_requests_are_refused_with_the_reason(tmp_path):
+    from megatron.scan.control import ControlExchange, write_request
+
+    exchange = ControlExchange(tmp_path, 0, CaptureSchedule(WindowSchedule(5, 1)))
+    write_request(tmp_path, {"online_detect_confirm": 2})
+    exchange.after_iteration(3)
+    answer = json.loads(next((tmp_path / "control").glob("agreed-*.json")).read_text())
+    assert "--online-detect" in answer["error"]  # this job runs no online detection
+    seen = []
+    exchange.settings_listeners.append(lambda settings: seen.append(settings) or {"confirm": 2, "min_slowdown": 1.2})
+    for bad, why in (({"online_detect_confirm": 0}, ">= 1"), ({"online_detect_min_slowdown": 0.5}, ">= 1.0"),
+                     ({"online_detect_min_slowdown": "fast"}, "numbers")):
+        for path in (tmp_path / "control").glob("agreed-*.json"):
+            path.unlink()
+        write_request(tmp_path, bad)
+        exchange.after_iteration(4)
+        answer = json.loads(next((tmp_path / "control").glob("agreed-*.json")).read_text())
+        assert why in answer["error"], answer
+    assert not seen and not exchange.schedule.captures

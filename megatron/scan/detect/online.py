@@ -29,6 +29,8 @@ MIN_ITERATIONS = 6
 # Iterations at the end of the trace over which a rank starved of CPU must still be starved to be
 # reported online (host_starvation's `recent`): a burst of host load that is over is history.
 RECENT_ITERATIONS = 3
+# The compute analyzer's default factor over a rank's peers (peer_comparison's min_slowdown).
+MIN_SLOWDOWN = 1.2
 
 
 class WindowCounter:
@@ -70,16 +72,19 @@ class WindowCounter:
 
 
 def analyze(trace_dir: str, first_iteration: int, last_iteration: int,
-            fitted: dict[tuple[int, int], tuple[float, float]] | None = None) -> dict | None:
+            fitted: dict[tuple[int, int], tuple[float, float]] | None = None, *,
+            min_slowdown: float = MIN_SLOWDOWN) -> dict | None:
     """One online analysis of everything traced so far: the abnormal.json dict with `iterations`,
     and `alerts` (each with its printable `label`); None before MIN_ITERATIONS. `fitted` (updated
     in place) keeps the clock corrections of the windows every rank has written, so that each
     analysis fits only the new windows: fitting them all again was most of an analysis's cost
     (0.14 of 0.23 s at 24 windows of 4 ranks, and growing with the run), CPU taken from a busy
-    host's training."""
+    host's training. `min_slowdown`: the compute analyzer's factor over a rank's peers below
+    which it names nobody."""
     from megatron.scan.aggregate import aggregate
     from megatron.scan.align import fitted_windows
     from megatron.scan.detect.combine import detect
+    from megatron.scan.detect.compute import peer_comparison
     from megatron.scan.detect.host import host_starvation
     from megatron.scan.detect.model import from_aggregation
     from megatron.scan.detect.report import as_dict
@@ -93,7 +98,8 @@ def analyze(trace_dir: str, first_iteration: int, last_iteration: int,
         return None  # the first iterations (warm-up) alone are no baseline
     # Everything traced so far: a fault that began in the recent windows shows as an onset
     # against each rank's own earlier standing, not only once it dominates the history.
-    detection = detect(data, host=functools.partial(host_starvation, recent=RECENT_ITERATIONS))
+    detection = detect(data, compute=functools.partial(peer_comparison, min_slowdown=min_slowdown),
+                       host=functools.partial(host_starvation, recent=RECENT_ITERATIONS))
     result = as_dict(detection)
     # The files may already hold windows newer than the one that asked (an analysis that lagged):
     # name the newest iteration actually seen.
@@ -144,23 +150,27 @@ class Confirmation:
 def serve() -> None:
     """The analysis process (`OnlineDetector` starts it): one JSON request per line on stdin
     (windows finished, first and last iteration), one JSON answer per line on the original
-    stdout; anything printed goes to stderr. It ends when stdin closes: when rank 0 closes it,
+    stdout; anything printed goes to stderr. Each request carries the thresholds in force (they
+    can change while the job runs: `python -m megatron.scan capture --online-detect-confirm`). It ends when stdin closes: when rank 0 closes it,
     or when rank 0 dies (the pipe closes with it, so nothing is left behind)."""
     trace_dir, world_size, wait_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-    confirm = Confirmation(int(sys.argv[4]) if len(sys.argv) > 4 else CONFIRM_ANALYSES)
+    confirm = Confirmation()
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     windows = WindowCounter(trace_dir)
     fitted: dict[tuple[int, int], tuple[float, float]] = {}
     for line in sys.stdin:
-        windows_done, first_iteration, last_iteration = json.loads(line)
+        windows_done, first_iteration, last_iteration, settings = json.loads(line)
+        confirm.analyses = settings["confirm"]
         try:
             # Waiting for the other ranks' windows happens here too, not in rank 0, whose
             # training it slowed (the throttled rank's windows come late, and rank 0 polled).
             windows.wait_for(world_size, windows_done, wait_s)
-            result = analyze(trace_dir, first_iteration, last_iteration, fitted)
+            result = analyze(trace_dir, first_iteration, last_iteration, fitted,
+                             min_slowdown=settings["min_slowdown"])
             if result is not None:
                 result["alerts"], result["unconfirmed"] = confirm(result["alerts"])
+                result["settings"] = settings
         except Exception as exc:  # noqa: BLE001 - a failed analysis must never stop training
             result = {"error": repr(exc)}
         answers.write(json.dumps(result) + "\n")
@@ -192,24 +202,32 @@ class OnlineDetector:
     measured on 4 ranks over 2 cores), at idle CPU priority from its first line (_BOOT)."""
 
     def __init__(self, trace_dir: str | os.PathLike, world_size: int, *, windows_kept: int = 2,
-                 wait_s: float = 30.0, confirm: int = CONFIRM_ANALYSES) -> None:
+                 wait_s: float = 30.0, confirm: int = CONFIRM_ANALYSES,
+                 min_slowdown: float = MIN_SLOWDOWN) -> None:
         self.trace_dir = Path(trace_dir)
         self.world_size = world_size
         self.windows_kept = windows_kept
         self.wait_s = wait_s
         self.max_backlog = 8
+        self.settings = {"confirm": confirm, "min_slowdown": min_slowdown}
         self.requests: queue.Queue = queue.Queue()
         self.alerts: list[dict] = []
         root = str(Path(__file__).resolve().parents[3])  # where this package is imported from
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         self.worker = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, str(self.trace_dir), str(world_size), str(wait_s), str(confirm)],
+            [sys.executable, "-c", _BOOT, str(self.trace_dir), str(world_size), str(wait_s)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
         self.thread = threading.Thread(target=self._loop, name="megascan-online-detect", daemon=True)
         self.thread.start()
 
     def submit(self, windows_done: int, first_iteration: int, last_iteration: int) -> None:
-        self.requests.put((windows_done, first_iteration, last_iteration))
+        self.requests.put((windows_done, first_iteration, last_iteration, dict(self.settings)))
+
+    def update(self, settings: dict) -> dict:
+        """New thresholds (a capture request's), used from the next analysis on; returns those in force."""
+        self.settings = {**self.settings, **settings}
+        print(f"[megascan] online detection settings changed: {settings}", file=sys.stderr, flush=True)
+        return dict(self.settings)
 
     def close(self, timeout: float = 60.0) -> None:
         self.requests.put(None)
@@ -239,9 +257,9 @@ class OnlineDetector:
             except Exception as exc:  # noqa: BLE001 - a failed analysis must never stop training
                 print(f"[megascan] online detection failed: {exc!r}", file=sys.stderr, flush=True)
 
-    def _run(self, windows_done: int, first_iteration: int, last_iteration: int) -> None:
+    def _run(self, windows_done: int, first_iteration: int, last_iteration: int, settings: dict) -> None:
         try:
-            self.worker.stdin.write(json.dumps([windows_done, first_iteration, last_iteration]) + "\n")
+            self.worker.stdin.write(json.dumps([windows_done, first_iteration, last_iteration, settings]) + "\n")
             self.worker.stdin.flush()
             answer = self.worker.stdout.readline()
         except (BrokenPipeError, ValueError):
@@ -290,6 +308,11 @@ class OnlineDetectPlugin(Plugin):
                             "collective arrival, pipeline link) is reported once N analyses in a row name it; two "
                             "analyzers agreeing report it at once. 1 reports every finding at once (more wrong "
                             f"alerts from bursts of host load). Default {CONFIRM_ANALYSES}")
+        g.add_argument("--online-detect-min-slowdown", type=float, default=MIN_SLOWDOWN, metavar="X",
+                       help="with --online-detect: a rank's compute must be at least X times its peers' to be named "
+                            f"by the compute analyzer. Default {MIN_SLOWDOWN}. Both thresholds can be changed on a "
+                            "running job: python -m megatron.scan capture --job DIR --online-detect-confirm N "
+                            "--online-detect-min-slowdown X")
 
     def enabled(self, args: argparse.Namespace) -> bool:
         return bool(getattr(args, "online_detect", False))
@@ -299,7 +322,11 @@ class OnlineDetectPlugin(Plugin):
         if args.online_detect_confirm < 1:
             raise ConfigError(f"--online-detect-confirm {args.online_detect_confirm}: a suspect needs at least 1 "
                               f"analysis to be reported (1 reports at once)")
+        if not args.online_detect_min_slowdown >= 1.0:
+            raise ConfigError(f"--online-detect-min-slowdown {args.online_detect_min_slowdown}: a factor over the "
+                              f"rank's peers, >= 1.0")
         self.confirm = args.online_detect_confirm
+        self.min_slowdown = args.online_detect_min_slowdown
         trace = self.peers["scan"].config  # configured before this plugin (it is required)
         self.interval = trace.interval
         self.continuous = trace.continuous
@@ -311,7 +338,9 @@ class OnlineDetectPlugin(Plugin):
         # Rank 0 reads every rank's files (one node, or a shared file system).
         if ctx.rank == 0:
             self.detector = OnlineDetector(self.trace_dir, ctx.cfg.parallel.world_size,
-                                           confirm=self.confirm)
+                                           confirm=self.confirm, min_slowdown=self.min_slowdown)
+            # Threshold changes asked of the running job arrive with capture requests.
+            self.peers["scan"].control.settings_listeners.append(self.detector.update)
 
     def after_iteration(self, ctx, iteration: int, metrics) -> None:
         if self.detector is None:
