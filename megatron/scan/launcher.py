@@ -40,6 +40,7 @@ def launch_environment(args: argparse.Namespace, base: dict[str, str] | None = N
     env["MEGASCAN_TRACE_INTERVAL"] = str(args.trace_interval)
     env["MEGASCAN_CONTINUOUS_ITERATIONS"] = str(args.continuous_trace_iterations)
     env["MEGASCAN_HANG_TIMEOUT"] = str(args.hang_timeout)
+    env["MEGASCAN_TRACE_GATHER"] = args.trace_gather
     if args.metrics_port is not None:
         env["MEGASCAN_METRICS_PORT"] = str(args.metrics_port)
     if args.metrics_control_token_file:
@@ -52,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-interval", type=int, default=5, metavar="N",
                         help="a traced window starts every N optimizer steps")
     parser.add_argument("--continuous-trace-iterations", type=int, default=2, metavar="K", help="steps per window")
+    parser.add_argument("--trace-gather", choices=["auto", "off"], default="auto",
+                        help="auto: ranks whose --trace-dir is not rank 0's (a node's own disk) also stream their trace "
+                             "files to rank 0's --trace-dir in the background; off: each node keeps only its own")
     parser.add_argument("--hang-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="dump stacks and collectives after SECONDS without progress (0: off)")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
@@ -83,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     env = launch_environment(args)
     if args.print_env:
         for key in ("PYTHONPATH", "MEGASCAN_TRACE_DIR", "MEGASCAN_RUN_ID", "MEGASCAN_TRACE_INTERVAL",
-                    "MEGASCAN_CONTINUOUS_ITERATIONS", "MEGASCAN_HANG_TIMEOUT", "MEGASCAN_METRICS_PORT",
+                    "MEGASCAN_CONTINUOUS_ITERATIONS", "MEGASCAN_HANG_TIMEOUT", "MEGASCAN_METRICS_PORT", "MEGASCAN_TRACE_GATHER",
                     "MEGASCAN_METRICS_CONTROL_TOKEN_FILE"):
             if key in env:
                 print(f"export {key}={env[key]}")
@@ -167,6 +171,28 @@ def _patch_init(c10d) -> None:
     init_process_group.__megascan_launch__ = True  # type: ignore[attr-defined]
     init_process_group.__doc__ = original.__doc__
     c10d.init_process_group = init_process_group
+    _patch_destroy(c10d)
+
+
+def _patch_destroy(c10d) -> None:
+    """The program's `destroy_process_group()` ends tracing first: the trace file gets its end,
+    and a node without rank 0's file system sends the rest of it while the groups still exist."""
+    original = c10d.destroy_process_group
+
+    def destroy_process_group(group=None):
+        if group is None and LaunchSession.current is not None:
+            try:
+                LaunchSession.current.close("destroy_process_group")
+            except Exception as exc:  # noqa: BLE001 - a tracing failure must not fail the job
+                print(f"[megascan] closing the trace failed: {exc!r}", file=sys.stderr, flush=True)
+        return original(group)
+
+    destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+    destroy_process_group.__doc__ = original.__doc__
+    c10d.destroy_process_group = destroy_process_group
+    module = sys.modules.get("torch.distributed")
+    if module is not None and getattr(module, "destroy_process_group", None) is original:
+        module.destroy_process_group = destroy_process_group
 
 
 class _DDPHookState:
@@ -219,6 +245,9 @@ class LaunchSession:
         self.metrics_port = int(port) if port not in (None, "") else None
         self.token_file = environ.get("MEGASCAN_METRICS_CONTROL_TOKEN_FILE") or None
         self.control = None
+        self.gather = environ.get("MEGASCAN_TRACE_GATHER", "auto") != "off"
+        self.gathering = None
+        self._closed = False
         self.tracer = None
         self.watchdog = None
         self.crash = None
@@ -241,6 +270,13 @@ class LaunchSession:
         from megatron.scan.watchdog import CrashCapture, Watchdog, process_identity
 
         rank, world_size = dist.get_rank(), dist.get_world_size()
+        # A gloo side group for MegaScan's own exchanges (the run id now, capture decisions later),
+        # created by every rank alike. Rank 0's run id is the job's: each node's `launch` made its own.
+        side = dist.new_group(backend="gloo") if world_size > 1 else None
+        if side is not None:
+            holder = [self.run_id]
+            dist.broadcast_object_list(holder, src=0, group=side)
+            self.run_id = holder[0]
         # Without a model of the program's parallelism every rank is a data-parallel replica; the
         # groups each collective ran on are in the trace, which is what matching needs.
         header = header_fields(
@@ -251,10 +287,13 @@ class LaunchSession:
                    "launcher": {"argv": sys.argv[:16]}, "num_microbatches": 1, "schedule": [],
                    "start_iteration": 0})
         writer = TraceWriter(self.directory / trace_file_name(rank, 0, 0), header)
+        if self.gather:  # nodes without a shared file system: the others' files stream to rank 0's directory
+            from megatron.scan.gather import Gathering
+
+            self.gathering = Gathering(writer, self.run_id, rank, world_size)
         # Windows on demand (`python -m megatron.scan capture --job DIR`), agreed over a gloo side
         # group that every rank creates here alike, as the trainer's ranks do.
         schedule = CaptureSchedule(WindowSchedule(self.interval, self.continuous))
-        side = dist.new_group(backend="gloo") if world_size > 1 else None
         self.control = ControlExchange(self.directory, rank, schedule, side)
         self.tracer = tracer = Tracer(writer=writer, timer=build_timer("cpu", None), schedule=schedule)
         tracer.collectives.install(ALIAS_PREFIXES)
@@ -422,6 +461,9 @@ class LaunchSession:
         return work.get_future().then(done)
 
     def close(self, reason: str = "exit") -> None:
+        if self._closed:  # at destroy_process_group, then again at exit
+            return
+        self._closed = True
         if self.control is not None:
             self.control.close(timeout=10.0)  # the last decision's broadcast, if every rank got that far
         if self.tracer is not None and not self.tracer.closed:
@@ -429,6 +471,9 @@ class LaunchSession:
                 self.tracer.close({"reason": reason, "iterations": self.iteration})
             if self._undo_steps is not None:
                 self._undo_steps()
+        if self.gathering is not None:
+            self.gathering.close(timeout=120.0)
+            self.gathering = None
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.metrics is not None:

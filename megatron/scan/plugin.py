@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.app.config import ConfigError
 from megatron.app.observer import set_observer
 from megatron.app.plugins import Plugin, register_plugin
+from megatron.scan.gather import CHUNK, DEFAULT_RATE_MB, Gathering
 from megatron.scan.layers import LayerScopes, transformer_layers
 from megatron.scan.timers import build_timer
 from megatron.scan.trace_format import ClockSkew, TraceWriter, header_fields, trace_file_name
@@ -42,6 +43,8 @@ class TraceConfig:
     continuous: int
     granularity: str
     clock_skews: dict[int, tuple[float, float]]
+    gather: bool = True
+    gather_rate_mb: float = DEFAULT_RATE_MB
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TraceConfig":
@@ -52,6 +55,8 @@ class TraceConfig:
         if not 1 <= args.continuous_trace_iterations <= max(1, args.trace_interval):
             problems.append(f"--continuous-trace-iterations must be in [1, --trace-interval ({args.trace_interval})], "
                             f"got {args.continuous_trace_iterations}")
+        if not args.trace_gather_rate > 0:
+            problems.append(f"--trace-gather-rate must be > 0 MB/s, got {args.trace_gather_rate}")
         skews = {}
         for text in args.trace_clock_skew:
             try:
@@ -63,7 +68,7 @@ class TraceConfig:
             raise ConfigError("; ".join(problems))
         return cls(enabled=bool(args.trace), directory=Path(args.trace_dir), interval=args.trace_interval,
                    continuous=args.continuous_trace_iterations, granularity=args.trace_granularity,
-                   clock_skews=skews)
+                   clock_skews=skews, gather=args.trace_gather == "auto", gather_rate_mb=args.trace_gather_rate)
 
 
 def output_directory(args: argparse.Namespace) -> Path:
@@ -83,6 +88,15 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
                    type=lambda value: "coarse" if value == "base" else value,
                    help="coarse (or base, its name in MegatronApp): per-microbatch forward/backward, P2P, "
                         "collectives, steps; full adds per-layer scopes")
+    g.add_argument("--trace-gather", choices=["auto", "off"], default="auto",
+                   help="auto: ranks whose --trace-dir is not rank 0's (each node writing its own disk) also stream "
+                        "their trace files to rank 0's --trace-dir in the background over a gloo side group, so "
+                        "aggregation and online detection on rank 0's node see the whole job; off: each node "
+                        "keeps only its own files")
+    g.add_argument("--trace-gather-rate", type=float, default=DEFAULT_RATE_MB, metavar="MB_PER_S",
+                   help=f"with --trace-gather auto: at most this many MB/s per sending rank (default "
+                        f"{DEFAULT_RATE_MB:g}); memory is one {CHUNK >> 20} MiB chunk per sender, the backlog stays "
+                        f"in the rank's own file")
     g.add_argument("--trace-clock-skew", action="append", default=[], metavar="RANK:OFFSET_MS[:DRIFT_PPM]",
                    help="testing: make RANK's host clock look OFFSET_MS off (and DRIFT_PPM fast) in its trace")
 
@@ -138,6 +152,10 @@ class ScanPlugin(Plugin):
                              reference_ns=header["clock_reference"]["monotonic_ns"])
         path = config.directory / trace_file_name(ctx.dp_rank, ctx.pp_rank, ctx.tp_rank, ctx.role or None)
         writer = TraceWriter(path, header, skew=skew)
+        # Nodes without a shared file system: the other nodes' files stream to rank 0's directory.
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.gathering = (Gathering(writer, holder[0], ctx.rank, world, rate_mb=config.gather_rate_mb)
+                          if config.gather else None)
         from megatron.scan.control import CaptureSchedule, ControlExchange
 
         # Windows on demand (`python -m megatron.scan capture`): rank 0 reads requests, all ranks
@@ -178,3 +196,6 @@ class ScanPlugin(Plugin):
             if self.tracer.writer.error is not None:
                 print(f"[megascan] warning: trace writer failed on {self.tracer.writer.path}: "
                       f"{self.tracer.writer.error!r}", file=sys.stderr, flush=True)
+        gathering, self.gathering = getattr(self, "gathering", None), None
+        if gathering is not None:  # the file is complete: the rest of it goes to rank 0
+            gathering.close(timeout=600.0 if reason == "shutdown" else 30.0)
