@@ -96,7 +96,7 @@ class TraceSender:
         try:
             # The header is final once a window was submitted (or the writer closed): a program's
             # layout may rename the file before that.
-            while not (self.writer._submitted or self.writer._fd < 0 or self.stopping.is_set()):
+            while not (self.writer.final or self.stopping.is_set()):
                 time.sleep(self.poll_s)
             while not self.stopping.wait(self.poll_s):
                 self._pump(final=False)

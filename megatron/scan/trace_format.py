@@ -180,6 +180,11 @@ class TraceWriter:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         return True
 
+    @property
+    def final(self) -> bool:
+        """The header and path will not change any more: a window was submitted, or it closed."""
+        return self._submitted or self._fd < 0
+
     def submit(self, record: WindowRecord) -> None:
         self._submitted = True
         self._queue.put(record)
