@@ -1,5 +1,6 @@
 """Capture on demand: a running job traces the next K iterations on every rank, from an iteration
-all ranks agreed on, when asked (`python -m megatron.scan capture --job DIR --iterations K`).
+all ranks agreed on, when asked (`python -m megatron.scan capture --job DIR --iterations K`), and
+the metrics port's HTTP server that also takes such requests (`http_server`, `control_handler`).
 
 The request is a file in the trace directory on rank 0's node (DIR/control/request-*.json; no
 shared file system is needed). Rank 0 turns it into a decision (start iteration, K; or a new
@@ -199,3 +200,104 @@ class ControlExchange:
         temporary.write_text(json.dumps(answer))
         os.replace(temporary, agreed)
         path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- requests over the metrics port
+
+
+def read_control_token(path: str | os.PathLike) -> str:
+    """The token in --metrics-control-token-file; ValueError saying what to change."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"--metrics-control-token-file: cannot read it: {exc}") from None
+    if len(token) < 16:
+        raise ValueError("--metrics-control-token-file: the token must have at least 16 characters")
+    return token
+
+
+def control_handler(directory, token: str | None, traced: bool):
+    """Rank 0's POST /capture: the same request as `python -m megatron.scan capture`, left in
+    `directory`'s control folder; GET /capture/<answer> then returns rank 0's answer (404 until it
+    is made). Without a token every control request is refused (403): the port is read-only."""
+    import hmac
+
+    def control(body: dict | None, authorization: str, answer: str | None = None) -> tuple[int, dict]:
+        if token is None:
+            return 403, {"error": "this metrics port is read-only: start the job with --metrics-control-token-file "
+                                  "to accept capture requests"}
+        if not hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode()):
+            return 401, {"error": "missing or wrong token (Authorization: Bearer TOKEN)"}
+        if answer is not None:
+            if not (answer.startswith("agreed-") and answer.endswith(".json") and "/" not in answer):
+                return 400, {"error": "no such answer"}
+            try:
+                return 200, json.loads((request_directory(directory) / answer).read_text())
+            except (OSError, ValueError):
+                return 404, {"error": "not answered yet"}
+        if not traced:
+            return 409, {"error": "the job is not traced: captures need --trace"}
+        try:
+            request = {"iterations": int(body.get("iterations") or 0), "interval": int(body.get("trace_interval") or 0),
+                       "continuous": int(body.get("continuous_trace_iterations") or 0),
+                       **{key: body[key] for key in ("online_detect_confirm", "online_detect_min_slowdown")
+                          if body.get(key) is not None}}
+        except (AttributeError, TypeError, ValueError) as exc:
+            return 400, {"error": f"a capture request is a JSON object of numbers: {exc}"}
+        path = write_request(directory, request)
+        return 202, {"request": path.name, "answer": path.name.replace("request-", "agreed-")}
+
+    return control
+
+
+def not_rank_zero(body: dict | None, authorization: str, answer: str | None = None) -> tuple[int, dict]:
+    return 409, {"error": "send control requests to rank 0's metrics port (DIR/metrics-targets-rank0.json)"}
+
+
+def http_server(registry, port: int, addr: str = "0.0.0.0", control=None):
+    """A threaded HTTP server on (addr, port) in a daemon thread: GET /metrics from `registry`;
+    with `control` (a callable taking the request's JSON body, the Authorization header and, for
+    GET /capture/<answer>, the answer's name, returning (HTTP status, JSON answer)) also POST
+    /capture. Without it the port is read-only (403)."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from prometheus_client.exposition import MetricsHandler
+
+    class Handler(MetricsHandler.factory(registry)):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            if not self.path.startswith("/capture/"):
+                return super().do_GET()
+            if control is None:
+                return self._answer(403, {"error": "this metrics port is read-only"})
+            status, answer = control(None, self.headers.get("Authorization", ""), self.path.split("/")[-1])
+            self._answer(status, answer)
+
+        def do_POST(self) -> None:  # noqa: N802
+            if self.path.split("?")[0] != "/capture":
+                return self._answer(404, {"error": "POST /capture is the only control request"})
+            if control is None:
+                return self._answer(403, {"error": "this metrics port is read-only"})
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+            except ValueError:
+                return self._answer(400, {"error": "the body must be JSON, e.g. {\"iterations\": 3}"})
+            status, answer = control(body, self.headers.get("Authorization", ""))
+            self._answer(status, answer)
+
+        def _answer(self, status: int, answer: dict) -> None:
+            data = json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args) -> None:  # no access log on the training job's stderr
+            pass
+
+    server = ThreadingHTTPServer((addr, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="megascan-metrics", daemon=True).start()
+    return server

@@ -58,17 +58,17 @@ def test_synthetic_matches_are_complete_at_scale(tmp_path):
 
 
 def test_large_components_solved_iteratively_get_the_dense_solution(tmp_path, monkeypatch):
-    """Components above _DENSE_LIMIT unknowns are solved by conjugate gradients (4096 ranks took
+    """Components above DENSE_LIMIT unknowns are solved by conjugate gradients (4096 ranks took
     90 s densely). Forced on a small job, the iterative solve gives the dense answer, with and
     without drift, and recovers the injected errors as well."""
-    import megatron.scan.align as align
+    import megatron.scan.align_solve as align_solve
 
     spec = SyntheticRun(tp=4, pp=4, dp=8, iterations=12, offsets_ms={1: 3.0, 32: -2.0, 7: 0.5},
                         drift_ppm={5: 150.0, 9: -80.0})
     generate(spec, tmp_path)
     answers = {}
     for name, limit in (("dense", 10**9), ("iterative", 0)):
-        monkeypatch.setattr(align, "_DENSE_LIMIT", limit)
+        monkeypatch.setattr(align_solve, "DENSE_LIMIT", limit)
         answers[name] = aggregate(tmp_path, None, jobs=1).alignment
     dense, iterative = answers["dense"], answers["iterative"]
     assert dense.model == iterative.model and dense.model["offset+drift"] >= 1

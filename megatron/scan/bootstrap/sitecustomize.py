@@ -25,7 +25,7 @@ def _chain_next_sitecustomize() -> None:
 # Only worker processes (torchrun sets RANK for them), never torchrun itself or unrelated tools.
 if os.environ.get("MEGASCAN_TRACE_DIR") and "RANK" in os.environ:
     try:
-        from megatron.scan.launcher import arm
+        from megatron.scan.launch_session import arm
 
         arm()
     except Exception as exc:  # tracing must never stop the job from starting

@@ -1,0 +1,396 @@
+"""One worker's zero-code tracing, armed by the bootstrap sitecustomize of `python -m megatron.scan
+launch` and started at `init_process_group`: optimizer-step windows, collectives with DDP's buckets,
+P2P, megatron-core's schedule and layout, watchdog, crash files, metrics, capture, gathering."""
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.util
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+_C10D = "torch.distributed.distributed_c10d"
+_MCORE_SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+# Modules whose early `from torch.distributed import all_reduce` aliases are rebound too.
+ALIAS_PREFIXES = ("__main__", "megatron", "torch.nn.parallel", "torch.distributed.fsdp",
+                  "torch.distributed.algorithms", "torch.distributed.tensor")
+
+
+
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """Calls `then(module)` the moment the module named `name` has been imported (without
+    importing it, or torch, any earlier)."""
+
+    def __init__(self, name: str, then) -> None:
+        self.name = name
+        self.then = then
+
+    def find_spec(self, name: str, path: Any, target: Any = None):
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        original_exec = spec.loader.exec_module
+        then = self.then
+
+        def exec_module(module) -> None:
+            original_exec(module)
+            then(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def when_imported(name: str, then) -> None:
+    """`then(module)` now if `name` is imported already, else right after its import."""
+    module = sys.modules.get(name)
+    if module is not None:
+        then(module)
+    else:
+        sys.meta_path.insert(0, _ImportHook(name, then))
+
+
+def arm() -> None:
+    """Called from the bootstrap sitecustomize in each worker."""
+    module = sys.modules.get(_C10D)
+    if module is not None:
+        _patch_init(module)
+        if getattr(sys.modules.get("torch.distributed"), "init_process_group", None) is not module.init_process_group:
+            sys.modules["torch.distributed"].init_process_group = module.init_process_group
+    else:
+        when_imported(_C10D, _patch_init)
+
+
+def _patch_init(c10d) -> None:
+    original = c10d.init_process_group
+    if getattr(original, "__megascan_launch__", False):
+        return
+
+    def init_process_group(*args, **kwargs):
+        result = original(*args, **kwargs)
+        try:
+            LaunchSession.start_from_environment()
+        except Exception as exc:  # a tracing failure must not fail the job
+            print(f"[megascan] tracing not started: {exc!r}", file=sys.stderr, flush=True)
+        return result
+
+    init_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+    init_process_group.__megascan_launch__ = True  # type: ignore[attr-defined]
+    init_process_group.__doc__ = original.__doc__
+    c10d.init_process_group = init_process_group
+    _patch_destroy(c10d)
+
+
+def _patch_destroy(c10d) -> None:
+    """The program's `destroy_process_group()` ends tracing first: the trace file gets its end,
+    and a node without rank 0's file system sends the rest of it while the groups still exist."""
+    original = c10d.destroy_process_group
+
+    def destroy_process_group(group=None):
+        if group is None and LaunchSession.current is not None:
+            try:
+                LaunchSession.current.close("destroy_process_group")
+            except Exception as exc:  # noqa: BLE001 - a tracing failure must not fail the job
+                print(f"[megascan] closing the trace failed: {exc!r}", file=sys.stderr, flush=True)
+        return original(group)
+
+    destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+    destroy_process_group.__doc__ = original.__doc__
+    c10d.destroy_process_group = destroy_process_group
+    module = sys.modules.get("torch.distributed")
+    if module is not None and getattr(module, "destroy_process_group", None) is original:
+        module.destroy_process_group = destroy_process_group
+
+
+
+class _DDPHookState:
+    """The comm-hook state MegaScan registers on every DDP module; a hook the program registers
+    later is kept here and called instead of the default all-reduce."""
+
+    def __init__(self, session: "LaunchSession", process_group: Any) -> None:
+        self.session = session
+        self.process_group = process_group
+        self.user_hook = None
+        self.user_state = None
+
+
+def _traced_allreduce_hook(state: _DDPHookState, bucket):
+    """DDP's default gradient all-reduce (average over the group), issued from Python so it gets a
+    sequence number and an event from issue to completion like any other collective."""
+    if state.user_hook is not None:
+        return state.user_hook(state.user_state, bucket)
+    import torch.distributed as dist
+
+    group = state.process_group or dist.distributed_c10d._get_default_group()
+    tensor = bucket.buffer()
+    tensor.div_(group.size())
+    return state.session.async_collective("all_reduce", tensor, group,
+                                          lambda: dist.distributed_c10d.all_reduce.__megascan_original__(
+                                              tensor, group=group, async_op=True))
+
+
+class LaunchSession:
+    """One worker's tracing: the tracer (windows of optimizer steps), its collective observer with
+    DDP buckets, the watchdog, crash capture and optional metrics."""
+
+    current: "LaunchSession | None" = None
+
+    @classmethod
+    def start_from_environment(cls) -> "LaunchSession | None":
+        if cls.current is not None or not os.environ.get("MEGASCAN_TRACE_DIR"):
+            return cls.current
+        cls.current = cls(os.environ)
+        cls.current.start()
+        return cls.current
+
+    def __init__(self, environ: dict[str, str] | os._Environ) -> None:
+        self.directory = Path(environ["MEGASCAN_TRACE_DIR"])
+        self.run_id = environ.get("MEGASCAN_RUN_ID") or f"{environ.get('MASTER_ADDR')}-{environ.get('MASTER_PORT')}"
+        self.interval = int(environ.get("MEGASCAN_TRACE_INTERVAL", "5"))
+        self.continuous = int(environ.get("MEGASCAN_CONTINUOUS_ITERATIONS", "2"))
+        self.hang_timeout = float(environ.get("MEGASCAN_HANG_TIMEOUT", "300"))
+        port = environ.get("MEGASCAN_METRICS_PORT")
+        self.metrics_port = int(port) if port not in (None, "") else None
+        self.token_file = environ.get("MEGASCAN_METRICS_CONTROL_TOKEN_FILE") or None
+        self.control = None
+        self.gather = environ.get("MEGASCAN_TRACE_GATHER", "auto") != "off"
+        self.gathering = None
+        self._closed = False
+        self.tracer = None
+        self.watchdog = None
+        self.crash = None
+        self.metrics = None
+        self._undo_steps = None
+        self._layout_known = False
+        self.iteration = 0
+        self._optimizer_id: int | None = None
+        self._iteration_start = 0
+        self._step_start = 0
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        import torch.distributed as dist
+
+        from megatron.scan.timers import build_timer
+        from megatron.scan.trace_format import TraceWriter, header_fields, trace_file_name
+        from megatron.scan.control import CaptureSchedule, ControlExchange
+        from megatron.scan.tracer import Tracer, WindowSchedule
+        from megatron.scan.watchdog import CrashCapture, Watchdog, process_identity
+
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        # A gloo side group for MegaScan's own exchanges (the run id now, capture decisions later),
+        # created by every rank alike. Rank 0's run id is the job's: each node's `launch` made its own.
+        side = dist.new_group(backend="gloo") if world_size > 1 else None
+        if side is not None:
+            holder = [self.run_id]
+            dist.broadcast_object_list(holder, src=0, group=side)
+            self.run_id = holder[0]
+        # Without a model of the program's parallelism every rank is a data-parallel replica; the
+        # groups each collective ran on are in the trace, which is what matching needs.
+        header = header_fields(
+            rank=rank, world_size=world_size, run_id=self.run_id,
+            coordinates={"dp": rank, "pp": 0, "tp": 0}, sizes={"dp": world_size, "pp": 1, "tp": 1, "vpp": 1},
+            extra={"device": "launched", "timing": "host-monotonic", "backend": str(dist.get_backend()),
+                   "trace": {"interval": self.interval, "continuous": self.continuous, "granularity": "collectives"},
+                   "launcher": {"argv": sys.argv[:16]}, "num_microbatches": 1, "schedule": [],
+                   "start_iteration": 0})
+        writer = TraceWriter(self.directory / trace_file_name(rank, 0, 0), header)
+        if self.gather:  # nodes without a shared file system: the others' files stream to rank 0's directory
+            from megatron.scan.gather import Gathering
+
+            self.gathering = Gathering(writer, self.run_id, rank, world_size)
+        # Windows on demand (`python -m megatron.scan capture --job DIR`), agreed over a gloo side
+        # group that every rank creates here alike, as the trainer's ranks do.
+        schedule = CaptureSchedule(WindowSchedule(self.interval, self.continuous))
+        self.control = ControlExchange(self.directory, rank, schedule, side)
+        self.tracer = tracer = Tracer(writer=writer, timer=build_timer("cpu", None), schedule=schedule)
+        tracer.collectives.install(ALIAS_PREFIXES)
+        tracer.trace_point_to_point(ALIAS_PREFIXES)
+        identity = process_identity(rank, world_size, {"dp": rank, "pp": 0, "tp": 0})
+        self.crash = CrashCapture(self.directory, identity).install()
+        if self.hang_timeout > 0:
+            self.watchdog = Watchdog(directory=self.directory, identity=identity, timeout=self.hang_timeout,
+                                     observer=tracer.collectives)
+            tracer.collectives.listeners.append(self.watchdog.on_collective)
+            self.watchdog.start()
+        if self.metrics_port is not None:
+            self._start_metrics(identity)
+        self._hook_optimizers()
+        self._hook_ddp()
+        if os.environ.get("MEGASCAN_MCORE_HOOKS", "1") != "0":
+            when_imported(_MCORE_SCHEDULES, self._hook_megatron_core)
+        self._iteration_start = time.perf_counter_ns()
+        tracer.begin_iteration(0)
+        atexit.register(self.close, "exit")
+
+    def _start_metrics(self, identity: dict[str, Any]) -> None:
+        from megatron.scan.metrics import RankMetrics
+
+        self.metrics = RankMetrics(identity)
+        port = 0 if self.metrics_port == 0 else self.metrics_port + identity["local_rank"]
+        from megatron.scan.control import control_handler, not_rank_zero, read_control_token
+
+        token = read_control_token(self.token_file) if self.token_file else None
+        control = control_handler(self.directory, token, traced=True)
+        self.metrics.serve(port, control=control if identity["rank"] == 0 else not_rank_zero)
+        self.metrics.write_target(self.directory)
+        self.tracer.collectives.listeners.append(self.metrics.on_collective)
+        if self.watchdog is not None:
+            self.watchdog.hang_listeners.append(self.metrics.on_hang)
+            self.metrics.stalled.set_function(self.watchdog.stalled_seconds)
+
+    # --- iterations = optimizer steps -------------------------------------------------
+    def _hook_optimizers(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(self._before_step)
+        register_optimizer_step_post_hook(self._after_step)
+
+    def _first_optimizer(self, optimizer) -> bool:
+        # Programs with several optimizers step them all once per iteration: count the first one.
+        if self._optimizer_id is None:
+            self._optimizer_id = id(optimizer)
+        return id(optimizer) == self._optimizer_id
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        if self._first_optimizer(optimizer):
+            self._step_start = time.perf_counter_ns()
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        if not self._first_optimizer(optimizer) or self.tracer is None or self.tracer.closed:
+            return
+        tracer, now = self.tracer, time.perf_counter_ns()
+        with self._lock:
+            if tracer.active:
+                tracer.events.append(("optimizer", self._step_start, now, self.iteration, -1, -1, -1, -1, -1, -1,
+                                      -1, 0, None))
+                tracer.events.append(("iteration", self._iteration_start, now, self.iteration, -1, -1, -1, -1, -1,
+                                      -1, -1, 0, None))
+            seconds = (now - self._iteration_start) * 1e-9
+            self.control.after_iteration(self.iteration)  # a window agreed on may close the current one
+            tracer.end_iteration(self.iteration, {"iteration_time": seconds})
+            self.iteration += 1
+            self._iteration_start = now
+            tracer.begin_iteration(self.iteration)
+        if self.watchdog is not None:
+            self.watchdog.set_iteration(self.iteration)
+        if self.metrics is not None:
+            self.metrics.on_iteration({"iteration_time": seconds})
+
+    # --- megatron-core's pipeline schedule ---------------------------------------------------
+    def _hook_megatron_core(self, schedules) -> None:
+        from megatron.app.mcore_schedule import install_step_spans
+
+        self._undo_steps = install_step_spans(self.tracer, on_forward=self._on_forward)
+
+    def _on_forward(self, args: tuple, kwargs: dict) -> None:
+        """At the first forward of megatron-core's schedule its parallel state is set up: put this
+        rank's coordinates, the layout's sizes and the microbatch count in the trace header."""
+        if self._layout_known:
+            return
+        self._layout_known = True
+        try:
+            from megatron.core import parallel_state as ps
+
+            from megatron.scan.trace_format import trace_file_name
+
+            if not ps.model_parallel_is_initialized():
+                return
+            coordinates = {"dp": ps.get_data_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+                           "tp": ps.get_tensor_model_parallel_rank()}
+            sizes = {"dp": ps.get_data_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+                     "tp": ps.get_tensor_model_parallel_world_size(),
+                     "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1}
+            microbatches = kwargs.get("num_microbatches", args[3] if len(args) > 3 else 1)
+            writer = self.tracer.writer
+            trace = {**writer.header.get("trace", {}), "granularity": "megatron-core"}
+            path = self.directory / trace_file_name(coordinates["dp"], coordinates["pp"], coordinates["tp"])
+            if not writer.update_header({"coordinates": coordinates, "sizes": sizes, "trace": trace,
+                                         "num_microbatches": int(microbatches)}, path):
+                print("[megascan] megatron-core's layout was found after the first traced window was written; "
+                      "the trace keeps every rank as a data-parallel replica", file=sys.stderr, flush=True)
+        except Exception as exc:  # a tracing failure must not fail the job
+            print(f"[megascan] megatron-core layout not recorded: {exc!r}", file=sys.stderr, flush=True)
+
+    # --- DDP ------------------------------------------------------------------------------
+    def _hook_ddp(self) -> None:
+        """DDP's reducer all-reduces gradient buckets in C++, out of sight of the Python wrappers;
+        a comm hook brings them back into Python. A hook the program registers itself still runs."""
+        if os.environ.get("MEGASCAN_DDP_HOOK", "1") == "0":
+            return
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if getattr(DDP.__init__, "__megascan_launch__", False):
+            return
+        original_init, original_register = DDP.__init__, DDP.register_comm_hook
+        session = self
+
+        def __init__(module, *args, **kwargs):
+            original_init(module, *args, **kwargs)
+            state = _DDPHookState(session, getattr(module, "process_group", None))
+            original_register(module, state, _traced_allreduce_hook)
+            module._megascan_hook_state = state
+
+        def register_comm_hook(module, state, hook):
+            ours = getattr(module, "_megascan_hook_state", None)
+            if ours is None or ours.user_hook is not None:
+                return original_register(module, state, hook)
+            ours.user_hook, ours.user_state = hook, state
+
+        __init__.__megascan_launch__ = True  # type: ignore[attr-defined]
+        DDP.__init__ = __init__
+        DDP.register_comm_hook = register_comm_hook
+
+    def async_collective(self, op: str, tensor, group, issue):
+        """Issue an async collective and record it from issue to completion (a future callback),
+        with a sequence number from the shared per-group counter."""
+        observer = self.tracer.collectives
+        info = observer.group_info(group)
+        seq = info.seq
+        info.seq += 1
+        size, dtype = tensor.numel() * tensor.element_size(), str(tensor.dtype).replace("torch.", "")
+        info.in_flight = (op, seq, time.monotonic())
+        start = time.perf_counter_ns()
+        work = issue()
+
+        def done(future):
+            end = time.perf_counter_ns()
+            if info.in_flight is not None and info.in_flight[1] == seq:
+                info.in_flight = None
+            if info.last_completed is None or info.last_completed[1] < seq:
+                info.last_completed = (op, seq)
+            if observer.recording:
+                with self._lock:
+                    observer.sink(op, start, end, size, dtype, info.gid, seq, 0)
+            for listener in observer.listeners:
+                listener(op, info, seq, start, end)
+            return future.value()[0]
+
+        return work.get_future().then(done)
+
+    def close(self, reason: str = "exit") -> None:
+        if self._closed:  # at destroy_process_group, then again at exit
+            return
+        self._closed = True
+        if self.control is not None:
+            self.control.close(timeout=10.0)  # the last decision's broadcast, if every rank got that far
+        if self.tracer is not None and not self.tracer.closed:
+            with self._lock:
+                self.tracer.close({"reason": reason, "iterations": self.iteration})
+            if self._undo_steps is not None:
+                self._undo_steps()
+        if self.gathering is not None:
+            self.gathering.close(timeout=120.0)
+            self.gathering = None
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.crash is not None:
+            self.crash.uninstall()
