@@ -74,23 +74,21 @@ class TraceSender:
         else:
             self._allowance -= size
 
-    def _pump(self, final: bool) -> None:
-        """Sends what the file holds beyond `sent`, whole lines only (all of it when `final`)."""
-        path = self.writer.path
-        with open(path, "rb") as f:
-            while True:
-                f.seek(self.sent)
-                data = f.read(CHUNK)
-                if not data:
-                    return
-                if len(data) == CHUNK or not final:
-                    cut = data.rfind(b"\n") + 1
-                    if cut == 0 and len(data) < CHUNK:
-                        return  # a line still being written
-                    data = data[:cut] if cut else data  # a line longer than CHUNK goes in pieces
-                self._throttle(len(data))
-                self._send(_START if self.sent == 0 else _APPEND, path.name, data)
-                self.sent += len(data)
+    def _pump(self, f, name: str, final: bool) -> None:
+        """Sends what the file `f` holds beyond `sent`, whole lines only (all of it when `final`)."""
+        while True:
+            f.seek(self.sent)
+            data = f.read(CHUNK)
+            if not data:
+                return
+            if len(data) == CHUNK or not final:
+                cut = data.rfind(b"\n") + 1
+                if cut == 0 and len(data) < CHUNK:
+                    return  # a line still being written
+                data = data[:cut] if cut else data  # a line longer than CHUNK goes in pieces
+            self._throttle(len(data))
+            self._send(_START if self.sent == 0 else _APPEND, name, data)
+            self.sent += len(data)
 
     def _run(self) -> None:
         try:
@@ -98,10 +96,12 @@ class TraceSender:
             # layout may rename the file before that.
             while not (self.writer.final or self.stopping.is_set()):
                 time.sleep(self.poll_s)
-            while not self.stopping.wait(self.poll_s):
-                self._pump(final=False)
-            self._pump(final=True)
-            self._send(_END, self.writer.path.name, b"")
+            path = self.writer.path
+            with open(path, "rb") as f:
+                while not self.stopping.wait(self.poll_s):
+                    self._pump(f, path.name, final=False)
+                self._pump(f, path.name, final=True)
+            self._send(_END, path.name, b"")
         except BaseException as exc:  # noqa: BLE001 - gathering must never stop training
             self.error = exc
 

@@ -1,7 +1,8 @@
 """The public API: an Endpoint per rank posts asynchronous tensor sends and receives, and
-Handles report their completion. The C++ core does the work on its own threads; this module
-checks arguments, keeps tensors alive while the core uses them, and raises typed errors. Over 400
-lines because those three belong to each call of the one API and read best side by side."""
+Handles (handle.py) report their completion. The C++ core does the work on its own threads; this
+module checks arguments, keeps tensors alive while the core uses them, and raises typed errors
+(CUDA tensors by IPC handle: device_transfers.py). Over 400 lines because those three belong to
+each call of the one API and read best side by side."""
 from __future__ import annotations
 
 import atexit
@@ -9,7 +10,6 @@ import math
 import os
 import threading
 import time
-import warnings
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,20 +18,16 @@ from typing import Iterable, Sequence
 import torch
 
 from . import _C
+from .checks import _INT64, _check_int, _check_rank_args, _check_tensor, _port_of
 from .cuda_ipc import CudaIpc, device_key
+from .device_transfers import _DEVICE_COPY, DeviceTransfers
 from .dtypes import dtype_code, dtype_names, known_codes
 from .errors import EndpointClosedError, PeerError, TransferTimeout, TransportError, error_for
+from .handle import _DONE, _FAILED, _PENDING, Handle, _deliver
 from .host import default_host, host_key
 from .staging import PinnedPool
 
 _TRANSPORTS = ("shm", "verbs", "tcp")
-_INT64 = (-(2**63), 2**63 - 1)
-_PENDING, _DONE, _FAILED = 0, 1, 2
-_DEVICE_COPY = 6  # a finished receive whose bytes wait in the sender's GPU memory (ErrorKind::DeviceCopy)
-# The one tag the library uses itself: while connecting, same-host peers with GPUs tell each other
-# whether they could open the other's CUDA IPC probe handle (a _PROBE_BYTES message: why not, or empty).
-PROBE_TAG = -(2**63)
-_PROBE_BYTES = 512
 # The core reads a plain CPU tensor's pointer, size, dtype and shape itself (the fast path of
 # send/recv/isend/irecv); everything else goes through the checks below.
 _C.set_torch_refs(torch.Tensor, *known_codes())
@@ -82,81 +78,7 @@ class EndpointConfig:
         return (self.send_threads or auto, self.recv_threads or auto)
 
 
-class Handle:
-    """One posted isend or irecv. `tensor` is the sent tensor or the receive buffer."""
-
-    __slots__ = ("_endpoint", "id", "kind", "peer", "tag", "tensor", "_wire", "_state", "_error")
-
-    def __init__(self, endpoint: "Endpoint", request_id: int, kind: str, peer: int, tag: int,
-                 tensor: torch.Tensor, wire: torch.Tensor) -> None:
-        self._endpoint = endpoint
-        self.id = request_id
-        self.kind = kind
-        self.peer = peer
-        self.tag = tag
-        self.tensor = tensor
-        self._wire = wire  # the host memory the core reads or writes (a staging copy for CUDA)
-        self._state = _PENDING
-        self._error: TransportError | None = None
-
-    @property
-    def done(self) -> bool:
-        """Finished, successfully or not (never raises)."""
-        if self._state == _PENDING:
-            self._endpoint._refresh(self)
-        return self._state != _PENDING
-
-    def exception(self) -> TransportError | None:
-        """The failure, once finished with one."""
-        self.done
-        return self._error
-
-    def test(self) -> bool:
-        """True once finished successfully; raises the transfer's error if it failed."""
-        if not self.done:
-            return False
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def is_completed(self) -> bool:
-        """Alias of test() matching megatron.app.transport's Handle protocol."""
-        return self.test()
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor:
-        """Blocks (without the GIL) until finished; returns `tensor`.
-
-        Raises TransferTimeout naming the peer if `timeout` seconds pass first (the transfer
-        keeps going and can be waited for again), or the transfer's own error."""
-        if self._state == _PENDING:
-            endpoint = self._endpoint
-            wait_done = endpoint._wait_done
-            if timeout is None and wait_done is not None and self._wire is self.tensor:
-                failed = wait_done(self.id)  # a host tensor with no limit: the short way
-                if failed is None:
-                    # This thread took the outcome, so no poll() reports it; close() may settle
-                    # the handle meanwhile: whoever takes it out of the table settles it.
-                    if endpoint._handles.pop(self.id, None) is not None:
-                        self._wire = None
-                        self._state = _DONE
-                else:
-                    with endpoint._lock:
-                        if self._state == _PENDING and failed[1] in (_DONE, _FAILED):
-                            endpoint._settle(self, failed[1], failed[2], failed[3])
-            if self._state == _PENDING:
-                endpoint._wait_handle(self, timeout)
-        if self._error is not None:
-            raise self._error
-        return self.tensor
-
-    def __repr__(self) -> str:
-        state = {_PENDING: "pending", _DONE: "done", _FAILED: "failed"}[self._state]
-        arrow = "to" if self.kind == "send" else "from"
-        return (f"Handle({self.kind} {arrow} rank {self.peer}, tag={self.tag}, "
-                f"{tuple(self.tensor.shape)} {self.tensor.dtype}, {state})")
-
-
-class Endpoint:
+class Endpoint(DeviceTransfers):
     """This rank's end of the P2P library: isend/irecv to any rank of the job.
 
     Build it with explicit addresses (one "host:port" per rank, this rank listens on its own)
@@ -278,34 +200,6 @@ class Endpoint:
             except BaseException:
                 self.close()
                 raise
-
-    def _agree_on_cuda_ipc(self) -> None:
-        """Every same-host peer (in another process) with GPUs tries to open this process's probe
-        handle, and tells whether it could; CUDA tensors go by handle only to the peers that could."""
-        candidates: dict[int, tuple[frozenset[str], str]] = {}
-        for peer in range(self.world_size):
-            if peer == self.rank or self._engine.transport_of(peer) != "shm":
-                continue
-            pid, _, rest = self._engine.peer_device_key(peer).partition("/")
-            gpus, _, probe = rest.partition("/")
-            if gpus and pid != str(os.getpid()):
-                candidates[peer] = (frozenset(gpus.split(",")), probe)
-        sends, answers = [], {}
-        for peer, (_, probe) in candidates.items():
-            why = self._ipc.try_open(probe) if probe else "that process made no IPC handle"
-            text = (why or "").encode()[:_PROBE_BYTES]
-            message = torch.zeros(_PROBE_BYTES, dtype=torch.uint8)
-            message[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-            sends.append(self.isend(message, peer, PROBE_TAG))
-            answers[peer] = self.irecv(((_PROBE_BYTES,), torch.uint8), peer, PROBE_TAG)
-        self.wait_all(sends + list(answers.values()), timeout=self._config.connect_timeout)
-        for peer, answer in answers.items():
-            why = bytes(answer.tensor.tolist()).rstrip(b"\0").decode(errors="replace")
-            if why:
-                self._ipc_refused[peer] = why
-            else:
-                self._ipc_peers[peer] = candidates[peer][0]
-        self._ipc.drop_probe()
 
     # ------------------------------------------------------------------ posting
 
@@ -443,79 +337,6 @@ class Endpoint:
             handle = Handle(self, request_id, "send" if is_send else "recv", peer, tag, tensor, wire)
             self._handles[request_id] = handle
         return handle
-
-    def _post_device(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float | None | _Default) -> Handle | None:
-        """Sends a CUDA tensor by IPC handle (None: stage it through host memory instead)."""
-        if self._ipc_unusable is not None:
-            return None
-        dst, tag = _check_int(dst, "dst"), _check_int(tag, "tag")
-        if not _INT64[0] <= tag <= _INT64[1]:
-            raise ValueError(f"tag must fit in a signed 64-bit integer, got {tag}")
-        seconds = self._timeout_seconds(timeout)
-        source = tensor if tensor.is_contiguous() else tensor.contiguous()
-        if self._ipc.uuid_of(source) not in self._ipc_peers[dst]:
-            return None  # the peer does not see this GPU
-        try:
-            descriptor = self._ipc.export(source)
-        except RuntimeError as e:
-            self._ipc_unusable = str(e)
-            warnings.warn(f"shm_tensor_rdma rank {self.rank}: CUDA tensors are staged through host memory from "
-                          f"now on, because their memory cannot be shared by IPC handle: {e}", RuntimeWarning,
-                          stacklevel=3)
-            return None
-        with self._lock:
-            request_id = self._engine.isend_device(descriptor, source.nbytes, dtype_code(source.dtype),
-                                                   list(source.shape), dst, tag, seconds)
-            handle = self._handles[request_id] = Handle(self, request_id, "send", dst, tag, tensor, source)
-        return handle
-
-    def _copy_device_message(self, out: torch.Tensor, peer: int, message: str) -> tuple[int, str] | None:
-        """Copies a message out of the sender's GPU memory into `out` and tells the sender
-        (its request finishes then). None when done, else (error kind, message)."""
-        send_id, descriptor = message.split(" ", 1)
-        engine = self._engine
-        try:
-            self._ipc.copy_in(descriptor, out)
-        except Exception as e:  # noqa: BLE001 - any failure fails both sides, with its text
-            reason = f"CUDA IPC copy from rank {peer} failed: {e}"
-            if engine is not None:
-                try:
-                    engine.device_done(peer, int(send_id), False, reason)
-                except (_C.TransportError, ValueError):
-                    pass
-            return 5, (f"rank {self.rank}: {reason}; EndpointConfig(cuda_ipc=False) on the sending rank "
-                       f"stages its CUDA tensors through host memory instead")
-        if engine is not None:
-            try:
-                engine.device_done(peer, int(send_id), True, "")
-            except _C.TransportError:
-                pass  # closed meanwhile: the peer sees the goodbye
-        return None
-
-    def device_path(self, peer: int) -> str:
-        """How CUDA tensors move to `peer`: "CUDA IPC" (device to device, no host copy) or
-        "host staging (<why not IPC>)"."""
-        self._check_open("device_path")
-        peer = _check_int(peer, "peer")
-        if peer in self._ipc_peers and self._ipc_unusable is None:
-            return "CUDA IPC"
-        if not self._config.cuda_ipc:
-            why = "cuda_ipc=False here"
-        elif not self._device_key:
-            why = ("no GPU visible here" if not torch.cuda.is_available() else
-                   "CUDA was not initialized in this process when the endpoint was created; "
-                   "call torch.cuda.set_device first")
-        elif self._ipc_unusable is not None:
-            why = self._ipc_unusable
-        elif peer in self._ipc_refused:
-            why = f"rank {peer} cannot open this process's CUDA IPC handles: {self._ipc_refused[peer]}"
-        elif self.transport(peer) != "shm":
-            why = f"rank {peer} is reached over {self.transport(peer)}"
-        elif self._engine.peer_device_key(peer).partition("/")[0] == str(os.getpid()):
-            why = f"rank {peer} is an endpoint of this process"
-        else:
-            why = f"rank {peer} sees no GPU or has cuda_ipc=False"
-        return f"host staging ({why})"
 
     def _timeout_seconds(self, timeout: float | None | _Default) -> float:
         if timeout is DEFAULT:
@@ -707,56 +528,6 @@ class Endpoint:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"Endpoint(job_id={self.job_id!r}, rank={self.rank}, world_size={self.world_size}, {state})"
-
-
-def _deliver(batch: list[Handle], raise_errors: bool) -> list[Handle]:
-    if raise_errors:
-        for h in batch:
-            if h._error is not None:
-                h._error.finished = batch
-                raise h._error
-    return batch
-
-
-def _check_rank_args(rank: int, world_size: int) -> None:
-    world_size = _check_int(world_size, "world_size")
-    rank = _check_int(rank, "rank")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-
-
-def _check_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            import numpy as np
-
-            if isinstance(value, np.integer):
-                return int(value)
-        except ImportError:  # pragma: no cover
-            pass
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _check_tensor(tensor, op: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{op}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.layout != torch.strided:
-        raise ValueError(f"{op}: only dense (strided) tensors are supported, got layout {tensor.layout}")
-    if not (tensor.is_cpu or tensor.is_cuda):
-        raise ValueError(f"{op}: tensors must be on CPU or CUDA, got device {tensor.device}")
-    if tensor.dim() > 32:
-        raise ValueError(f"{op}: tensors with more than 32 dimensions are not supported")
-
-
-def _port_of(address: str, rank: int) -> int:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"peer_addresses[{rank}] must look like 'host:port' with a port in 1..65535, "
-                         f"got {address!r}")
-    return int(port)
 
 
 # Endpoints still open at interpreter exit are closed, so peers see a goodbye, not a crash.

@@ -24,26 +24,37 @@ def traced_iterations(directory) -> dict[int, list[list[int]]]:
             for rank, metas in trace.windows.items()}
 
 
-def test_a_capture_asked_of_a_running_job_traces_exactly_that_window_on_every_rank(tmp_path):
+def capture_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron.scan", "capture", *args, "--wait", "60"],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=90)
+
+
+def while_training(tmp_path, flags: list[str], ask, ready=lambda: True):
+    """Starts the 4-rank PP=2 job with `flags`, calls `ask()` once it passed iteration 10 and
+    `ready()` holds, and waits for the job to end well. Returns (ask's result, the job's log)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), "pretrain_gpt.py", *MODEL, "--pipeline-model-parallel-size", "2",
-               "--train-iters", "150", "--trace", "--trace-dir", str(tmp_path), "--trace-interval", "1000",
-               "--continuous-trace-iterations", "1"]
+               "--trace", "--trace-dir", str(tmp_path), *flags]
     log_path = tmp_path / "torchrun.log"
     with open(log_path, "w") as log:
         job = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 180
-            while "iteration       10/" not in log_path.read_text() and time.monotonic() < deadline:
+            while not ("iteration       10/" in log_path.read_text() and ready()) and time.monotonic() < deadline:
                 assert job.poll() is None, log_path.read_text()[-3000:]
                 time.sleep(0.3)
-            asked = subprocess.run([sys.executable, "-m", "megatron.scan", "capture", "--job", str(tmp_path),
-                                    "--iterations", "3", "--wait", "60"],
-                                   cwd=ROOT, env=env(), capture_output=True, text=True, timeout=90)
-            assert asked.returncode == 0, asked.stdout + asked.stderr
+            asked = ask()
             assert job.wait(timeout=240) == 0, log_path.read_text()[-3000:]
         finally:
             kill_tree(job.pid)
+    return asked, log_path.read_text()
+
+
+def test_a_capture_asked_of_a_running_job_traces_exactly_that_window_on_every_rank(tmp_path):
+    asked, _ = while_training(tmp_path, ["--train-iters", "150", "--trace-interval", "1000",
+                                         "--continuous-trace-iterations", "1"],
+                              lambda: capture_cli("--job", str(tmp_path), "--iterations", "3"))
+    assert asked.returncode == 0, asked.stdout + asked.stderr
     words = asked.stdout.split("iterations ")[1].split(" are traced")[0]
     start, end = (int(v) for v in words.split(".."))
     assert end == start + 2 and start >= 12, asked.stdout
@@ -78,37 +89,25 @@ def test_capture_through_rank_zeros_metrics_port_needs_the_token(tmp_path):
 
     token = tmp_path / "token"
     token.write_text("s3cret-token-of-this-test\n")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), "pretrain_gpt.py", *MODEL, "--pipeline-model-parallel-size", "2",
-               "--train-iters", "150", "--trace", "--trace-dir", str(tmp_path), "--trace-interval", "1000",
-               "--continuous-trace-iterations", "1", "--metrics-port", "0",
-               "--metrics-control-token-file", str(token)]
-    log_path = tmp_path / "torchrun.log"
-    with open(log_path, "w") as log:
-        job = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 180
-            while ("iteration       10/" not in log_path.read_text() or len(read_targets(tmp_path)) < 4) \
-                    and time.monotonic() < deadline:
-                assert job.poll() is None, log_path.read_text()[-3000:]
-                time.sleep(0.3)
-            targets = read_targets(tmp_path)
-            codes = []
-            for rank, headers in ((0, {}), (1, {"Authorization": "Bearer s3cret-token-of-this-test"})):
-                request = urllib.request.Request(f"http://{targets[rank]}/capture", data=b'{"iterations": 2}',
-                                                 headers=headers)
-                try:
-                    urllib.request.urlopen(request, timeout=10)
-                except urllib.error.HTTPError as exc:
-                    codes.append((exc.code, json.loads(exc.read())["error"]))
-            assert codes[0][0] == 401 and codes[1][0] == 409 and "rank 0" in codes[1][1], codes
-            asked = subprocess.run([sys.executable, "-m", "megatron.scan", "capture", "--job", f"http://{targets[0]}",
-                                    "--token-file", str(token), "--iterations", "2", "--wait", "60"],
-                                   cwd=ROOT, env=env(), capture_output=True, text=True, timeout=90)
-            assert asked.returncode == 0, asked.stdout + asked.stderr
-            assert job.wait(timeout=240) == 0, log_path.read_text()[-3000:]
-        finally:
-            kill_tree(job.pid)
+
+    def ask():
+        targets = read_targets(tmp_path)
+        codes = []
+        for rank, headers in ((0, {}), (1, {"Authorization": "Bearer s3cret-token-of-this-test"})):
+            request = urllib.request.Request(f"http://{targets[rank]}/capture", data=b'{"iterations": 2}',
+                                             headers=headers)
+            try:
+                urllib.request.urlopen(request, timeout=10)
+            except urllib.error.HTTPError as exc:
+                codes.append((exc.code, json.loads(exc.read())["error"]))
+        assert codes[0][0] == 401 and codes[1][0] == 409 and "rank 0" in codes[1][1], codes
+        return capture_cli("--job", f"http://{targets[0]}", "--token-file", str(token), "--iterations", "2")
+
+    asked, _ = while_training(tmp_path, ["--train-iters", "150", "--trace-interval", "1000",
+                                         "--continuous-trace-iterations", "1", "--metrics-port", "0",
+                                         "--metrics-control-token-file", str(token)],
+                              ask, ready=lambda: len(read_targets(tmp_path)) >= 4)
+    assert asked.returncode == 0, asked.stdout + asked.stderr
     start = int(asked.stdout.split("iterations ")[1].split("..")[0])
     for rank, found in traced_iterations(tmp_path).items():
         assert found == [[0], [start, start + 1]], (rank, found)
@@ -154,10 +153,8 @@ def test_capture_works_with_the_zero_code_launcher(tmp_path):
             while len(read_targets(trace_dir)) < 4 and time.monotonic() < deadline:
                 assert job.poll() is None, log_path.read_text()[-3000:]
                 time.sleep(0.2)
-            asked = subprocess.run([sys.executable, "-m", "megatron.scan", "capture", "--job",
-                                    f"http://{read_targets(trace_dir)[0]}", "--token-file", str(token),
-                                    "--iterations", "4", "--wait", "60"],
-                                   cwd=ROOT, env=env(), capture_output=True, text=True, timeout=90)
+            asked = capture_cli("--job", f"http://{read_targets(trace_dir)[0]}", "--token-file", str(token),
+                                "--iterations", "4")
             assert asked.returncode == 0, asked.stdout + asked.stderr + log_path.read_text()[-3000:]
             assert job.wait(timeout=240) == 0, log_path.read_text()[-3000:]
         finally:
@@ -173,29 +170,13 @@ def test_capture_works_with_the_zero_code_launcher(tmp_path):
 def test_online_detection_thresholds_change_on_a_running_job(tmp_path):
     """`capture --online-detect-confirm 1 --online-detect-min-slowdown 3` while the job runs: rank 0
     answers with the settings now in force and the analyses after it use them."""
-    import json
-
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), "pretrain_gpt.py", *MODEL, "--pipeline-model-parallel-size", "2",
-               "--train-iters", "60", "--trace", "--trace-dir", str(tmp_path), "--trace-interval", "2",
-               "--continuous-trace-iterations", "2", "--online-detect"]
-    log_path = tmp_path / "torchrun.log"
-    with open(log_path, "w") as log:
-        job = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 180
-            while "iteration       10/" not in log_path.read_text() and time.monotonic() < deadline:
-                assert job.poll() is None, log_path.read_text()[-3000:]
-                time.sleep(0.3)
-            asked = subprocess.run([sys.executable, "-m", "megatron.scan", "capture", "--job", str(tmp_path),
-                                    "--online-detect-confirm", "1", "--online-detect-min-slowdown", "3",
-                                    "--wait", "60"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=90)
-            assert asked.returncode == 0, asked.stdout + asked.stderr
-            assert job.wait(timeout=240) == 0, log_path.read_text()[-3000:]
-        finally:
-            kill_tree(job.pid)
+    asked, log = while_training(tmp_path, ["--train-iters", "60", "--trace-interval", "2",
+                                           "--continuous-trace-iterations", "2", "--online-detect"],
+                                lambda: capture_cli("--job", str(tmp_path), "--online-detect-confirm", "1",
+                                                    "--online-detect-min-slowdown", "3"))
+    assert asked.returncode == 0, asked.stdout + asked.stderr
     assert "online detection now uses confirm 1, min_slowdown 3" in asked.stdout, asked.stdout
-    assert "online detection settings changed" in log_path.read_text()
+    assert "online detection settings changed" in log
     final = json.loads((tmp_path / "online_abnormal.json").read_text())
     assert final["settings"] == {"confirm": 1, "min_slowdown": 3.0}
     assert final["iterations"][1] >= 50  # the last analysis, well after the change
