@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from megatron.scan.hang import rank_ranges
+
 CHUNK = 1 << 20  # bytes per message: a sender's and the receiver's buffer
 DEFAULT_RATE_MB = 20.0  # MB/s per sending rank
 _META, _DATA = 11, 12  # gloo tags of the two halves of a message
@@ -210,7 +212,7 @@ class Gathering:
         if rank == 0:
             _marker(directory, run_id).unlink(missing_ok=True)
             if self.senders:
-                print(f"[megascan] gathering the trace files of ranks {_ranges(self.senders)} (no shared file system "
+                print(f"[megascan] gathering the trace files of ranks {rank_ranges(self.senders)} (no shared file system "
                       f"with rank 0) into {directory}, at most {rate_mb:g} MB/s per rank", file=sys.stderr, flush=True)
                 self.receiver = TraceReceiver(directory, self.group, self.senders, run_id)
         elif rank in self.senders:
@@ -237,13 +239,3 @@ def _run_of(path: Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
 
-
-def _ranges(ranks: list[int]) -> str:
-    parts, start = [], None
-    for i, rank in enumerate(ranks):
-        if start is None:
-            start = rank
-        if i + 1 == len(ranks) or ranks[i + 1] != rank + 1:
-            parts.append(str(start) if start == rank else f"{start}-{rank}")
-            start = None
-    return ",".join(parts)

@@ -8,7 +8,7 @@ rank's trace file, byte for byte the second node's own, which aggregate complete
 Traced with per-layer spans (`--trace-granularity full`), as a PP-only job should be: each rank is
 alone in its stage, and without layer spans it is compared with its own history only, which this
 shared 2-core host's noise moves (rank 0 was named at iterations 6-8 in one CI run; with two
-background CPU hogs, in 6 of 8 runs, see docs/megascan-detection.md)."""
+background CPU hogs, in 5 of 8 runs, see docs/megascan-detection.md)."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 from launch import ROOT, env, free_port, kill_tree
-from megatron.scan.gather import TraceReceiver, _ranges
+from megatron.scan.gather import TraceReceiver
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--micro-batch-size", "2", "--global-batch-size", "16", "--mock-data", "--vocab-size", "256",
@@ -101,7 +101,6 @@ def test_the_receiver_writes_whole_lines_and_keeps_a_rank_that_writes_there_itse
         raise AssertionError("a path outside the directory was accepted")
     except ValueError:
         pass
-    assert _ranges([2, 3, 4, 7, 9, 10]) == "2-4,7,9-10"
 
 
 def test_the_zero_code_launcher_gathers_too(tmp_path):

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from launch import python
-from megatron.scan.hang import diagnose, format_html, format_text, rank_ranges
+from megatron.scan.hang import diagnose, format_html, format_text, merge_stacks, rank_ranges
 
 
 def group(name, ranks, in_flight=None, last=None):
@@ -54,6 +54,18 @@ def test_culprits(case, tmp_path):
 def test_rank_ranges():
     assert rank_ranges([5, 0, 1, 2, 3]) == "0-3,5"
     assert rank_ranges([7]) == "7" and rank_ranges([]) == "-"
+
+
+def test_all_threads_leaves_out_every_megascan_thread():
+    """With all threads, the user's own threads are merged and MegaScan's (whatever their job) are not."""
+    frames = [{"file": "t.py", "line": 1, "function": "wait", "code": ""}]
+    threads = [{"name": name, "main": name == "MainThread", "frames": frames}
+               for name in ("MainThread", "data-loader", "megascan-watchdog", "megascan-gather-receive",
+                            "megascan-online-detect")]
+    tree = merge_stacks({0: {"threads": threads}, 1: {"threads": threads[:2]}}, all_threads=True)
+    assert sorted(child.function for child in tree.children.values()) == ["[thread MainThread]",
+                                                                           "[thread data-loader]"]
+    assert all(child.ranks == {0, 1} for child in tree.children.values())
 
 
 def test_no_dumps_is_a_clear_error(tmp_path):
