@@ -4,6 +4,7 @@ iteration they agreed on, beside its launch-time schedule."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -170,7 +171,9 @@ def test_capture_works_with_the_zero_code_launcher(tmp_path):
 def test_online_detection_thresholds_change_on_a_running_job(tmp_path):
     """`capture --online-detect-confirm 1 --online-detect-min-slowdown 3` while the job runs: rank 0
     answers with the settings now in force and the analyses after it use them."""
-    asked, log = while_training(tmp_path, ["--train-iters", "60", "--trace-interval", "2",
+    # Long enough that the request comes well before the end: 60 iterations of 40-50 ms were over
+    # before the command had started (a quiet host, once).
+    asked, log = while_training(tmp_path, ["--train-iters", "200", "--trace-interval", "10",
                                            "--continuous-trace-iterations", "2", "--online-detect"],
                                 lambda: capture_cli("--job", str(tmp_path), "--online-detect-confirm", "1",
                                                     "--online-detect-min-slowdown", "3"))
@@ -179,7 +182,8 @@ def test_online_detection_thresholds_change_on_a_running_job(tmp_path):
     assert "online detection settings changed" in log
     final = json.loads((tmp_path / "online_abnormal.json").read_text())
     assert final["settings"] == {"confirm": 1, "min_slowdown": 3.0}
-    assert final["iterations"][1] >= 50  # the last analysis, well after the change
+    read_at = int(re.search(r"rank 0 read the request after iteration (\d+)", asked.stdout).group(1))
+    assert final["iterations"][1] > read_at  # the last analysis came after the change
 
 
 def test_bad_threshold_requests_are_refused_with_the_reason(tmp_path):
