@@ -171,8 +171,8 @@ def test_capture_works_with_the_zero_code_launcher(tmp_path):
 def test_online_detection_thresholds_change_on_a_running_job(tmp_path):
     """`capture --online-detect-confirm 1 --online-detect-min-slowdown 3` while the job runs: rank 0
     answers with the settings now in force and the analyses after it use them."""
-    # Long enough that the request comes well before the end: 60 iterations of 40-50 ms were over
-    # before the command had started (a quiet host, once).
+    # Long enough that the request comes well before the end: with two CPU hogs on this 2-core
+    # host, 60 iterations of 40-50 ms were over before the command had started.
     asked, log = while_training(tmp_path, ["--train-iters", "200", "--trace-interval", "10",
                                            "--continuous-trace-iterations", "2", "--online-detect"],
                                 lambda: capture_cli("--job", str(tmp_path), "--online-detect-confirm", "1",
