@@ -49,7 +49,8 @@ CPU = Path("/sys/fs/cgroup/cpu")
 def test_external_throttle_mid_run_is_reported_during_the_run(tmp_path):
     # PP=2 on 2 ranks (no same-stage peer): on 4 ranks over CI's 2 cores, rank 0 was starved
     # during start-up and named online in 2 of 19 runs (see docs/megascan-detection.md). Coarse traces: with
-    # per-layer spans rank 0, starved while the fault tool started, was named in 2 of 10 runs.
+    # per-layer spans rank 0, starved while the fault tool started, was named in 2 of 10 runs
+    # (coarse: 0 of 8; both under two background CPU hogs).
     scenario = Scenario(name="online", nproc=2, layout=["--pipeline-model-parallel-size", "2"], expected=[1],
                         throttles=[Throttle(rank=1, fraction=0.15, onset=3)], iterations=14,
                         extra=["--online-detect"])

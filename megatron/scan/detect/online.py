@@ -342,7 +342,7 @@ class OnlineDetectPlugin(Plugin):
             if (self.granularity != "full" and parallel.pipeline_model_parallel_size > 1
                     and parallel.data_parallel_size == 1 and parallel.tensor_model_parallel_size == 1):
                 # Measured on a 2-core host under background load: a healthy lone stage named in 5 of
-                # 8 runs without layer spans, none with (docs/megascan-detection.md, *Not yet*).
+                # 8 runs without layer spans, 1 of 11 with (docs/megascan-detection.md, *Not yet*).
                 print("[megascan] note: with DP = TP = 1 no pipeline stage has a peer; without per-layer spans "
                       "online detection compares each rank with its own earlier iterations only (onsets, which "
                       "host noise also makes). --trace-granularity full lets the stages be compared layer by layer",
