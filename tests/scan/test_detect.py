@@ -77,7 +77,7 @@ def test_nothing_to_compare_is_said_not_raised(layout, tmp_path):
     generate_case(FaultCase(tp=tp, pp=pp, dp=dp, slow={0: 1.5}), tmp_path)
     detection = run_detection(tmp_path, jobs=1)
     write_outputs(detection, tmp_path)
-    assert detection.verdict == ("cannot compare" if pp == 1 else "partial")
+    assert detection.verdict == ("cannot compare" if pp == 1 else "inconclusive")
     assert any("cannot" in note for note in detection.notes)
     assert (tmp_path / "abnormal.txt").read_text() == ""
 

@@ -164,14 +164,14 @@ def test_bursty_slowness_is_seen_in_iteration_totals_not_in_the_median_task():
     assert [r for r, f in stage.findings.items() if f.flagged] == [1]
 
 
-def test_a_job_that_slows_with_no_named_source_is_partial_not_healthy():
+def test_a_job_that_slows_with_no_named_source_is_inconclusive_not_healthy():
     rows = [(rank, it, it * 1e9, it * 1e9 + (500e6 if it < 6 else 800e6) * RNG.uniform(0.97, 1.03))
             for it in range(12) for rank in range(4)]
     iterations = table(rows, ("rank", "iteration", "start", "end"))
     onset = job_slowdown_onset(data(iterations=iterations))
     assert onset is not None and onset[0] == 6 and 1.5 < onset[1] < 1.7
     detection = detect(data(iterations=iterations, compute=compute_rows({})))
-    assert detection.verdict == "partial" and not detection.suspects
+    assert detection.verdict == "inconclusive" and not detection.suspects
     assert any("slowed" in note and "no rank or link could be named" in note for note in detection.notes)
     steady = table([(r, it, it * 1e9, it * 1e9 + 500e6 * RNG.uniform(0.97, 1.03)) for it in range(12) for r in range(4)],
                    ("rank", "iteration", "start", "end"))

@@ -12,6 +12,7 @@ from megatron.scan.detect.compute import ComputeStage, peer_comparison
 from megatron.scan.detect.host import HostStage, host_starvation
 from megatron.scan.detect.model import DetectionInput
 from megatron.scan.detect.p2p import PipelineStage, pipeline_analysis
+from megatron.scan.detect.power import Power, compute_power, leading_candidate
 
 
 @dataclass(kw_only=True)
@@ -36,8 +37,12 @@ class Detection:
     pipeline: PipelineStage
     host: HostStage
     suspects: list[Suspect]
-    verdict: str  # "suspects" | "healthy" | "partial" (some ranks not comparable) | "cannot compare"
+    # "suspects" | "healthy" (a rank POWER_SLOWDOWN slower would have been named) | "inconclusive"
+    # (no suspect, but one could have been missed: see `power`, `leading`, the notes) | "cannot compare"
+    verdict: str
     notes: list[str] = field(default_factory=list)
+    power: Power | None = None  # what the compute comparison could have seen
+    leading: dict | None = None  # the rank that looks slowest short of being named (inconclusive)
 
 
 Analyzer = Callable[[DetectionInput], Any]
@@ -153,15 +158,19 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
                                          "host": _plain(starved)}))
     # A rank no analyzer could compare, arriving last far more than chance while not waiting on
     # its pipeline producers, is named with low confidence rather than silently missed.
+    named = {s.ranks[0] for s in suspects}
     for rank in stage1.cannot_compare:
         arrival_finding = stage2.findings.get(rank)
-        if arrival_finding is None or not arrival_finding.flagged:
+        if rank in named or arrival_finding is None or not arrival_finding.flagged:
             continue
         if stage3.receive_wait_ms.get(rank, 0.0) > 0.5 * arrival_finding.waited_on_ms:
             continue  # its lateness is explained by waiting for its neighbour
         suspects.append(Suspect(kind="rank", ranks=[rank], confidence=0.35, slowdown=float("nan"),
                                 evidence=[f"arrived last at {arrival_finding.last} of {arrival_finding.instances} "
-                                          f"collectives (chance {arrival_finding.expected_last:.1f}); compute not comparable"],
+                                          f"collectives (chance {arrival_finding.expected_last:.1f}, "
+                                          f"{arrival_finding.z:.1f} standard errors over {arrival_finding.iterations} "
+                                          f"iterations; its peers waited {_share(arrival_finding.cost_share)} of an "
+                                          f"iteration for it); compute not comparable"],
                                 named_by=["arrival"],
                                 details={"arrival": _plain(arrival_finding)}))
     for (src, dst), link in stage3.links.items():
@@ -175,32 +184,45 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
                                           f"({link.bandwidth_gbps:.3f} GB/s effective), {link.z:.1f} standard errors"],
                                 named_by=["pipeline"],
                                 details={"link": _plain(link)}))
+    suspects = _one_entry_per_suspect(suspects)
     suspects = _drop_tensor_parallel_victims(data, stage2, suspects, notes)
     suspects = _drop_pipeline_victims(data, stage2, stage3, stage4, suspects, notes)
     suspects.sort(key=lambda s: (-s.confidence, s.ranks))
     _add_gpu_readings(data, suspects)
     comparable = (any(f.method != "history" for f in stage1.findings.values()) or stage2.instances > 0
                   or len(stage3.links) > 0)
+    power = compute_power(stage1)
+    leading = None
     if suspects:
         verdict = "suspects"
     elif not comparable:
         verdict = "cannot compare"
     else:
-        # No suspect, but a rank whose compute nothing could be compared with may still be slow.
+        # No suspect. `healthy` says a rank of the slowdown that matters would have been named;
+        # anything short of that is `inconclusive`, with what was missing and the leading candidate.
+        unseen = []
         history_only = [r for r, f in stage1.findings.items() if f.method == "history"]
         if history_only:
-            notes.append(f"rank(s) {sorted(history_only)} have no peer and were compared only with their own earlier "
-                         f"iterations: a slowdown present from the first traced iteration cannot be seen")
+            unseen.append(f"rank(s) {sorted(history_only)} have no peer and were compared only with their own "
+                          f"earlier iterations: a slowdown present from the first traced iteration cannot be seen")
+        if stage1.cannot_compare:
+            unseen.append(f"the compute of rank(s) {sorted(stage1.cannot_compare)} was compared with nothing")
         trend = job_slowdown_onset(data)
         if trend is not None:
-            notes.append(f"the job slowed {trend[1]:.2f}x from iteration {trend[0]} on (median iteration time), "
-                         f"but no rank or link could be named as its source")
-        verdict = "partial" if stage1.cannot_compare or history_only or trend is not None else "healthy"
+            unseen.append(f"the job slowed {trend[1]:.2f}x from iteration {trend[0]} on (median iteration time), "
+                          f"but no rank or link could be named as its source")
+        if power is None:
+            unseen.append("no rank's compute was compared with a peer's: the slowdown that matters could not be "
+                          "measured")
+        verdict = "inconclusive" if unseen or power is None or not power.enough else "healthy"
+        if verdict == "inconclusive":
+            leading = leading_candidate(stage1, stage2)
+        notes.extend(unseen)
     if verdict == "cannot compare":
         notes.append("cannot compare: no rank has a peer, a collective partner, a pipeline link or enough history "
                      "(a single rank, DP=TP=PP=1, or traces without compute spans and collectives)")
     return Detection(data=data, compute=stage1, arrival=stage2, pipeline=stage3, host=stage4, suspects=suspects,
-                     verdict=verdict, notes=notes)
+                     verdict=verdict, notes=notes, power=power, leading=leading)
 
 
 def job_slowdown_onset(data: DetectionInput, *, min_slowdown: float = 1.2, z_min: float = 4.0,
@@ -291,6 +313,29 @@ def _drop_pipeline_victims(data: DetectionInput, stage2: ArrivalStage, stage3: P
                 continue
         kept.append(suspect)
     return kept
+
+
+def _share(value: float) -> str:
+    return "an unknown share" if value != value else f"{100 * value:.0f}%"
+
+
+def _one_entry_per_suspect(suspects: list[Suspect]) -> list[Suspect]:
+    """A rank or link two analyzers reached by different routes is one suspect: the first entry
+    keeps its place, takes the other's evidence it lacks, the union of who named it and the
+    higher confidence."""
+    merged: dict[tuple[str, tuple[int, ...]], Suspect] = {}
+    for suspect in suspects:
+        key = (suspect.kind, tuple(suspect.ranks))
+        first = merged.get(key)
+        if first is None:
+            merged[key] = suspect
+            continue
+        first.evidence.extend(e for e in suspect.evidence if e not in first.evidence)
+        first.named_by.extend(n for n in suspect.named_by if n not in first.named_by)
+        first.confidence = max(first.confidence, suspect.confidence)
+        for name, value in suspect.details.items():
+            first.details.setdefault(name, value)
+    return list(merged.values())
 
 
 def _falls_behind(finding, since: int) -> bool:

@@ -10,6 +10,8 @@ import numpy as np
 from megatron.scan.detect.model import DetectionInput
 
 _MAD = 1.4826  # MAD -> standard deviation for normal noise
+# Standard errors a rank's median per-iteration ratio to its peers must stand above zero to be named.
+Z_RANK = 3.5
 
 
 @dataclass(kw_only=True)
@@ -68,7 +70,7 @@ def _noise(log_busy: np.ndarray, keys: np.ndarray) -> float:
     return max(_MAD * float(np.median(np.abs(residual))), 0.01)
 
 
-def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: float = 3.5,
+def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: float = Z_RANK,
                     min_slowdown: float = 1.2, min_consistency: float = 0.7) -> ComputeStage:
     """Ranks of one stage compared per iteration: each rank's total busy time in an iteration
     against the median of its peers' totals in the same iteration. Totals, not per-task medians,

@@ -63,7 +63,10 @@ def _iteration_bars(detection: Detection) -> str:
 
 def _suspects(detection: Detection) -> str:
     if not detection.suspects:
-        return f"<p>No suspect (verdict: {html.escape(detection.verdict)}).</p>"
+        from megatron.scan.detect.report import verdict_lines
+
+        more = "".join(f"<p>{html.escape(line)}</p>" for line in verdict_lines(detection))
+        return f"<p>No suspect (verdict: {html.escape(detection.verdict)}).</p>{more}"
     items = []
     data = detection.data
     for s in detection.suspects:

@@ -42,7 +42,7 @@ class DetectionInput:
     # compute instances: one row per forward/backward task of a rank
     compute: dict[str, np.ndarray]  # rank, iteration, kind (0 F, 1 B), chunk, microbatch, start, busy
     # collective participations: one row per (instance, rank)
-    collectives: dict[str, np.ndarray]  # instance, rank, arrive, end, group_size, kind (index into group_kinds)
+    collectives: dict[str, np.ndarray]  # instance, rank, arrive, end, group_size, kind (index into group_kinds), iteration
     group_kinds: list[str]
     # matched P2P messages
     p2p: dict[str, np.ndarray]  # src, dst, iteration, backward, send_start, send_end, recv_start, recv_end, bytes
@@ -207,7 +207,7 @@ def from_aggregation(aggregation: Any) -> DetectionInput:
     inst = collectives.row_instance[crow]
     coll = {"instance": inst, "rank": c["rank"][crow].astype(np.int64), "arrive": c["start"][crow],
             "end": c["end"][crow], "group_size": collectives.expected[inst].astype(np.int64),
-            "kind": kind_of_group[collectives.group[inst]]}
+            "kind": kind_of_group[collectives.group[inst]], "iteration": c["iteration"][crow].astype(np.int64)}
     s, r = p2p.send_rows, p2p.recv_rows
     messages = {"src": c["rank"][s].astype(np.int64), "dst": c["rank"][r].astype(np.int64),
                 "iteration": c["iteration"][r].astype(np.int64),

@@ -212,6 +212,7 @@ class OnlineDetector:
         self.settings = {"confirm": confirm, "min_slowdown": min_slowdown}
         self.requests: queue.Queue = queue.Queue()
         self.alerts: list[dict] = []
+        self._said = None  # the last verdict printed (and its power line): said again only when it changes
         root = str(Path(__file__).resolve().parents[3])  # where this package is imported from
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         self.worker = subprocess.Popen(
@@ -282,11 +283,31 @@ class OnlineDetector:
             print(f"[megascan] WARNING online detection (iterations {first}-{newest}): {label} is "
                   f"slow, {factor}, confidence {alert['confidence']:.2f} ({why}): {alert['evidence'][0]}",
                   file=sys.stderr, flush=True)
+        self._say_verdict(result)
         result["alerts_so_far"] = self.alerts
         path = self.trace_dir / "online_abnormal.json"
         temporary = path.with_name(".online_abnormal.json.tmp")
         temporary.write_text(json.dumps(result, indent=1))
         os.replace(temporary, path)
+
+
+    def _say_verdict(self, result: dict) -> None:
+        """A verdict without a suspect is printed when it changes: `healthy` with what it could
+        have seen, `inconclusive` with its leading candidate and how many more iterations it needs."""
+        if result.get("verdict") not in ("healthy", "inconclusive"):
+            self._said = None
+            return
+        power, leading = result.get("power") or {}, result.get("leading_candidate") or {}
+        said = (result["verdict"], power.get("enough"), leading.get("rank"))
+        if said == self._said:
+            return
+        self._said = said
+        first, newest = result["iterations"]
+        parts = [power["line"]] if power.get("line") else []
+        if leading:
+            parts.append(f"leading candidate (not named): {leading['text']}")
+        print(f"[megascan] online detection (iterations {first}-{newest}): {result['verdict']}"
+              f"{': ' if parts else ''}{'; '.join(parts)}", file=sys.stderr, flush=True)
 
 
 @register_plugin

@@ -25,6 +25,8 @@ def as_dict(detection: Detection) -> dict[str, Any]:
         "format": FORMAT, "version": VERSION, "verdict": detection.verdict,
         "sizes": data.sizes, "ranks": data.world,
         "suspects": suspects,
+        "power": detection.power.as_dict() if detection.power is not None else None,
+        "leading_candidate": detection.leading,
         "stages": {
             "compute": {"noise": _plain(detection.compute.noise), "cannot_compare": detection.compute.cannot_compare,
                         "ranks": {str(r): _plain(f) for r, f in sorted(detection.compute.findings.items())}},
@@ -57,6 +59,7 @@ def text_report(detection: Detection) -> str:
     if not detection.suspects:
         lines.append("no suspect: no rank is significantly slower than its peers, no link is slow"
                      if detection.verdict == "healthy" else "no suspect could be named")
+    lines.extend(f"{line}" for line in verdict_lines(detection))
     for i, s in enumerate(detection.suspects, 1):
         what = data.label(s.ranks[0]) if s.kind == "rank" else f"link {s.ranks[0]} -> {s.ranks[1]}"
         factor = f"{s.slowdown:.2f}x" if s.slowdown == s.slowdown else "slowdown not measurable"
@@ -68,6 +71,16 @@ def text_report(detection: Detection) -> str:
     for note in detection.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def verdict_lines(detection: Detection) -> list[str]:
+    """What the verdict could have seen (the power line) and, when inconclusive, who leads."""
+    lines = []
+    if detection.power is not None and detection.verdict in ("healthy", "inconclusive"):
+        lines.append(f"power: {detection.power.line()}")
+    if detection.leading is not None:
+        lines.append(f"leading candidate (not named): {detection.leading['text']}")
+    return lines
 
 
 def write_outputs(detection: Detection, directory: str | os.PathLike, *, html: bool = True) -> dict[str, Path]:
