@@ -1,6 +1,7 @@
 """One worker's zero-code tracing, armed by the bootstrap sitecustomize of `python -m megatron.scan
 launch` and started at `init_process_group`: optimizer-step windows, collectives with DDP's buckets,
-P2P, megatron-core's schedule and layout, watchdog, crash files, metrics, capture, gathering."""
+P2P, the model's forward/backward per microbatch (launch_spans), megatron-core's schedule and layout,
+watchdog, crash files, metrics, capture, gathering."""
 from __future__ import annotations
 
 import atexit
@@ -11,7 +12,10 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported once the process group exists, not at start-up
+    from megatron.scan.launch_spans import ModelSpans
 
 _C10D = "torch.distributed.distributed_c10d"
 _MCORE_SCHEDULES = "megatron.core.pipeline_parallel.schedules"
@@ -109,32 +113,6 @@ def _patch_destroy(c10d) -> None:
 
 
 
-class _DDPHookState:
-    """The comm-hook state MegaScan registers on every DDP module; a hook the program registers
-    later is kept here and called instead of the default all-reduce."""
-
-    def __init__(self, session: "LaunchSession", process_group: Any) -> None:
-        self.session = session
-        self.process_group = process_group
-        self.user_hook = None
-        self.user_state = None
-
-
-def _traced_allreduce_hook(state: _DDPHookState, bucket):
-    """DDP's default gradient all-reduce (average over the group), issued from Python so it gets a
-    sequence number and an event from issue to completion like any other collective."""
-    if state.user_hook is not None:
-        return state.user_hook(state.user_state, bucket)
-    import torch.distributed as dist
-
-    group = state.process_group or dist.distributed_c10d._get_default_group()
-    tensor = bucket.buffer()
-    tensor.div_(group.size())
-    return state.session.async_collective("all_reduce", tensor, group,
-                                          lambda: dist.distributed_c10d.all_reduce.__megascan_original__(
-                                              tensor, group=group, async_op=True))
-
-
 class LaunchSession:
     """One worker's tracing: the tracer (windows of optimizer steps), its collective observer with
     DDP buckets, the watchdog, crash capture and optional metrics."""
@@ -167,16 +145,20 @@ class LaunchSession:
         self.crash = None
         self.metrics = None
         self._undo_steps = None
+        self.spans: ModelSpans | None = None
+        self._compute_noted = False
         self._layout_known = False
         self.iteration = 0
         self._optimizer_id: int | None = None
         self._iteration_start = 0
         self._step_start = 0
+        self._step_flags = 0
         self._lock = threading.Lock()
 
     def start(self) -> None:
         import torch.distributed as dist
 
+        from megatron.scan.launch_spans import ModelSpans, hook_ddp
         from megatron.scan.timers import build_timer
         from megatron.scan.trace_format import TraceWriter, header_fields, trace_file_name
         from megatron.scan.control import CaptureSchedule, ControlExchange
@@ -221,8 +203,10 @@ class LaunchSession:
             self.watchdog.start()
         if self.metrics_port is not None:
             self._start_metrics(identity)
+        if os.environ.get("MEGASCAN_MODEL_SPANS", "1") != "0":
+            self.spans = ModelSpans(tracer, rank).install()
         self._hook_optimizers()
-        self._hook_ddp()
+        hook_ddp(self)
         if os.environ.get("MEGASCAN_MCORE_HOOKS", "1") != "0":
             when_imported(_MCORE_SCHEDULES, self._hook_megatron_core)
         self._iteration_start = time.perf_counter_ns()
@@ -259,17 +243,27 @@ class LaunchSession:
         return id(optimizer) == self._optimizer_id
 
     def _before_step(self, optimizer, args, kwargs) -> None:
+        spans = self.spans
+        if spans is not None and spans.model is None:
+            spans.note_optimizer(optimizer)
         if self._first_optimizer(optimizer):
-            self._step_start = time.perf_counter_ns()
+            # On the compute spans' clock (CUDA events on CUDA) in a window: the step is device work too.
+            device = spans is not None and spans.device_timed and self.tracer.active
+            self._step_start = spans.mark() if device else time.perf_counter_ns()
+            self._step_flags = spans.flags if device else 0
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         if not self._first_optimizer(optimizer) or self.tracer is None or self.tracer.closed:
             return
         tracer, now = self.tracer, time.perf_counter_ns()
+        step_end = self.spans.mark() if self._step_flags and self.spans is not None else now
+        microbatches = self.spans.step_done() if self.spans is not None else 0
         with self._lock:
             if tracer.active:
-                tracer.events.append(("optimizer", self._step_start, now, self.iteration, -1, -1, -1, -1, -1, -1,
-                                      -1, 0, None))
+                if microbatches and not self._compute_noted:
+                    self._note_compute(microbatches)
+                tracer.events.append(("optimizer", self._step_start, step_end, self.iteration, -1, -1, -1, -1, -1,
+                                      -1, -1, self._step_flags, None))
                 tracer.events.append(("iteration", self._iteration_start, now, self.iteration, -1, -1, -1, -1, -1,
                                       -1, -1, 0, None))
             seconds = (now - self._iteration_start) * 1e-9
@@ -283,6 +277,17 @@ class LaunchSession:
         if self.metrics is not None:
             self.metrics.on_iteration({"iteration_time": seconds})
 
+    def _note_compute(self, microbatches: int) -> None:
+        """The first traced step with the model's spans: the header says what the trainer's does (while
+        no window was written; after that the header stays as it is)."""
+        self._compute_noted = True
+        writer = self.tracer.writer
+        fields: dict[str, Any] = {"trace": {**writer.header.get("trace", {}), "granularity": "coarse"},
+                                  "num_microbatches": microbatches}
+        if self.spans is not None and self.spans.device_timed:
+            fields["timing"] = "cuda-events+host-monotonic"  # compute and optimizer on CUDA events
+        writer.update_header(fields)
+
     # --- megatron-core's pipeline schedule ---------------------------------------------------
     def _hook_megatron_core(self, schedules) -> None:
         from megatron.app.mcore_schedule import install_step_spans
@@ -292,6 +297,8 @@ class LaunchSession:
     def _on_forward(self, args: tuple, kwargs: dict) -> None:
         """At the first forward of megatron-core's schedule its parallel state is set up: put this
         rank's coordinates, the layout's sizes and the microbatch count in the trace header."""
+        if self.spans is not None:
+            self.spans.defer()
         if self._layout_known:
             return
         self._layout_known = True
@@ -319,34 +326,6 @@ class LaunchSession:
             print(f"[megascan] megatron-core layout not recorded: {exc!r}", file=sys.stderr, flush=True)
 
     # --- DDP ------------------------------------------------------------------------------
-    def _hook_ddp(self) -> None:
-        """DDP's reducer all-reduces gradient buckets in C++, out of sight of the Python wrappers;
-        a comm hook brings them back into Python. A hook the program registers itself still runs."""
-        if os.environ.get("MEGASCAN_DDP_HOOK", "1") == "0":
-            return
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        if getattr(DDP.__init__, "__megascan_launch__", False):
-            return
-        original_init, original_register = DDP.__init__, DDP.register_comm_hook
-        session = self
-
-        def __init__(module, *args, **kwargs):
-            original_init(module, *args, **kwargs)
-            state = _DDPHookState(session, getattr(module, "process_group", None))
-            original_register(module, state, _traced_allreduce_hook)
-            module._megascan_hook_state = state
-
-        def register_comm_hook(module, state, hook):
-            ours = getattr(module, "_megascan_hook_state", None)
-            if ours is None or ours.user_hook is not None:
-                return original_register(module, state, hook)
-            ours.user_hook, ours.user_state = hook, state
-
-        __init__.__megascan_launch__ = True  # type: ignore[attr-defined]
-        DDP.__init__ = __init__
-        DDP.register_comm_hook = register_comm_hook
-
     def async_collective(self, op: str, tensor, group, issue):
         """Issue an async collective and record it from issue to completion (a future callback),
         with a sequence number from the shared per-group counter."""
@@ -385,6 +364,8 @@ class LaunchSession:
                 self.tracer.close({"reason": reason, "iterations": self.iteration})
             if self._undo_steps is not None:
                 self._undo_steps()
+        if self.spans is not None:
+            self.spans.uninstall()
         if self.gathering is not None:
             self.gathering.close(timeout=120.0)
             self.gathering = None

@@ -1,9 +1,11 @@
 """Zero-code-change tracing of any torch.distributed program: `python -m megatron.scan launch --
 torchrun ... script.py` (or the MEGASCAN_* environment form) writes the same per-rank trace files,
 hang dumps, crash files and metrics as the trainer, from collectives, point-to-point transfers, DDP
-buckets and optimizer steps. In a megatron-core program it also records the pipeline schedule's
-forward and backward per (chunk, microbatch) and takes each rank's TP/PP/DP coordinates from
-megatron-core's parallel state, so pipeline stages are told apart. This module is the command;
+buckets, optimizer steps, the data wait, and the forward and backward per microbatch of the model
+being trained (the outermost module called with grad whose parameters an optimizer holds). In a
+megatron-core program the pipeline schedule's own forward and backward per (chunk, microbatch) are
+recorded instead, and each rank's TP/PP/DP coordinates come from megatron-core's parallel state, so
+pipeline stages are told apart. This module is the command;
 what runs in each worker is megatron.scan.launch_session."""
 from __future__ import annotations
 

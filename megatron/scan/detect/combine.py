@@ -139,8 +139,9 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
         corroborated = 0.0
         if arrival_finding is not None and arrival_finding.last > arrival_finding.expected_last:
             evidence.append(f"arrived last at {arrival_finding.last} of {arrival_finding.instances} collectives "
-                            f"(chance: {arrival_finding.expected_last:.1f}); peers waited {arrival_finding.waited_on_ms:.1f} ms "
-                            f"in all, groups {arrival_finding.groups}")
+                            f"(chance: {arrival_finding.expected_last:.1f}; {arrival_finding.z:.1f} standard errors over "
+                            f"{arrival_finding.iterations} iterations); peers waited {arrival_finding.waited_on_ms:.1f} ms "
+                            f"in all, {_share(arrival_finding.cost_share)} of an iteration, groups {arrival_finding.groups}")
             corroborated = 1.0 if arrival_finding.flagged else 0.5
         waited = stage3.producer_wait_ms.get(rank)
         if waited:

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron.scan.detect.combine import Detection
+from megatron.scan.detect.power import verdict_lines
 
 
 def _color(ratio: float) -> str:
@@ -63,8 +64,6 @@ def _iteration_bars(detection: Detection) -> str:
 
 def _suspects(detection: Detection) -> str:
     if not detection.suspects:
-        from megatron.scan.detect.report import verdict_lines
-
         more = "".join(f"<p>{html.escape(line)}</p>" for line in verdict_lines(detection))
         return f"<p>No suspect (verdict: {html.escape(detection.verdict)}).</p>{more}"
     items = []

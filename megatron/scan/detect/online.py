@@ -355,6 +355,7 @@ class OnlineDetectPlugin(Plugin):
         self.granularity = trace.granularity
         self.detector: OnlineDetector | None = None
         self.windows: list[tuple[int, int]] = []
+        self._window_start: int | None = None
 
     def setup(self, ctx) -> None:
         # Rank 0 reads every rank's files (one node, or a shared file system).
@@ -377,10 +378,14 @@ class OnlineDetectPlugin(Plugin):
         if self.detector is None:
             return
         done = iteration
-        if done % self.interval != self.continuous - 1:
+        schedule = self.peers["scan"].tracer.schedule  # the dense start, windows and captures alike
+        if self._window_start is None and schedule.is_traced(done):
+            self._window_start = done
+        if self._window_start is None or not schedule.is_window_end(done):
             return
-        self.windows.append((done - self.continuous + 1, done))
-        if len(self.windows) * self.continuous < MIN_ITERATIONS:
+        self.windows.append((self._window_start, done))
+        self._window_start = None
+        if sum(last - first + 1 for first, last in self.windows) < MIN_ITERATIONS:
             # analyze() gives no verdict before then: asking would only load the traces beside
             # training.
             return

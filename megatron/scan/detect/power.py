@@ -90,3 +90,14 @@ def leading_candidate(stage: ComputeStage, arrival) -> dict | None:
                         f"iterations{cost})"}
     return None
 
+
+
+def verdict_lines(detection) -> list[str]:
+    """What a detection's verdict could have seen (the power line) and, when inconclusive, who
+    leads: the lines the text and HTML reports print under the verdict."""
+    lines = []
+    if detection.power is not None and detection.verdict in ("healthy", "inconclusive"):
+        lines.append(f"power: {detection.power.line()}")
+    if detection.leading is not None:
+        lines.append(f"leading candidate (not named): {detection.leading['text']}")
+    return lines

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron.scan.detect.combine import Detection, _plain
+from megatron.scan.detect.power import verdict_lines
 
 FORMAT = "megascan-abnormal"
 VERSION = 1
@@ -71,16 +72,6 @@ def text_report(detection: Detection) -> str:
     for note in detection.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
-
-
-def verdict_lines(detection: Detection) -> list[str]:
-    """What the verdict could have seen (the power line) and, when inconclusive, who leads."""
-    lines = []
-    if detection.power is not None and detection.verdict in ("healthy", "inconclusive"):
-        lines.append(f"power: {detection.power.line()}")
-    if detection.leading is not None:
-        lines.append(f"leading candidate (not named): {detection.leading['text']}")
-    return lines
 
 
 def write_outputs(detection: Detection, directory: str | os.PathLike, *, html: bool = True) -> dict[str, Path]:
