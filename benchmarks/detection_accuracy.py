@@ -6,12 +6,16 @@ With --external, real runs whose faults come from outside the job (cgroup CPU qu
 beside healthy runs of every layout: hit rate, wrong names and job-level slowdown per scenario,
 precision / recall / top-1 over all runs, and the resolution. With --replay-online, those kept
 runs replayed window by window through the online analysis (wrong alerts over every window); with
---online, live --online-detect runs against a throttle applied mid-run (time to detect).
+--online, live --online-detect runs against a throttle applied mid-run (time to detect). With
+--loops, training loops this project did not write (Hugging Face Trainer, Lightning, ignite, plain
+DDP) run under `python -m megatron.scan launch`, healthy and with one rank throttled from outside
+(benchmarks/detection_loops.py).
 
     python benchmarks/detection_accuracy.py [--real] [--max-ranks 1024]
     python benchmarks/detection_accuracy.py --external --repeat 5 [--jitter-sweep] [--keep DIR]
     python benchmarks/detection_accuracy.py --replay-online --iterations 14 --keep DIR
-    python benchmarks/detection_accuracy.py --online --repeat 3 --iterations 24 [--keep DIR]"""
+    python benchmarks/detection_accuracy.py --online --repeat 3 --iterations 24 [--keep DIR]
+    python benchmarks/detection_accuracy.py --loops hf_trainer,lightning,ignite,torch_ddp --repeat 5 [--keep DIR]"""
 from __future__ import annotations
 
 import argparse
@@ -540,7 +544,12 @@ def main() -> int:
     parser.add_argument("--keep", default=None, metavar="DIR",
                         help="keep the real runs' traces under DIR; --external traces already there are re-scored, "
                              "not re-run; --online runs kept there are also replayed after each run")
+    from detection_loops import add_arguments as add_loop_arguments, run_from_arguments as run_loops
+
+    add_loop_arguments(parser)
     args = parser.parse_args()
+    if args.loops:
+        return run_loops(args, parser)
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
     if args.confirm < 1:

@@ -297,7 +297,7 @@ def hook_ddp(session: Any) -> None:
         return
     original_init, original_register = DDP.__init__, DDP.register_comm_hook
 
-    def __init__(module, *args, **kwargs):
+    def __init__(module, /, *args, **kwargs):  # Lightning passes module= by name
         original_init(module, *args, **kwargs)
         state = DDPHookState(session, getattr(module, "process_group", None))
         original_register(module, state, _traced_allreduce_hook)
