@@ -1,9 +1,15 @@
 """Clock alignment. Each rank's times are already wall clock (through its per-window reference
 pair); what remains is each host's wall-clock error, and its monotonic drift since the window
-start. The anchor: all participants of a synchronous collective finish it together. For every
-(rank, window) an offset (and, where it pays, a drift) is fitted jointly over all anchors by
-robust (Huber, reweighted) least squares, with the per-instance finish time eliminated; P2P
-messages whose receiver was waiting add 2-member anchors between pipeline stages."""
+start. Ranks on one host read one clock, so the unknowns are one offset (and, where it pays, a
+drift) per (host, window); the host of the lowest rank keeps its raw clock and the others are
+fitted against it, so a job on one host is never moved. The anchors: all participants of a
+synchronous collective finish it together, and P2P messages whose receiver was waiting tie
+pipeline stages; the fit is robust (Huber, reweighted) least squares with the per-instance
+finish time eliminated. Two guards follow (align_check): a fit that breaks causality (a receive
+before its send, an all-reduce finished before a member started it) is replaced by the raw clocks
+if they break none, else by the middle of the causality bounds; and a correction that leaves the
+collective finish spread or the causality violations worse than the raw clocks is dropped (that
+host keeps its raw clock in that window). Traces without host identities: one clock per rank."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,8 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron.app.progress import Progress
+from megatron.scan.align_check import Causality, Judge
+from megatron.scan.align_solve import IRLS_STEPS, Problem, balanced_link_weights, components as connected, huber_loss
 from megatron.scan.load import GlobalTrace
-from megatron.scan.align_solve import IRLS_STEPS, Problem, huber_loss
 from megatron.scan.match import Collectives, P2PLinks
 
 _F_THRESHOLD = 10.0  # drift terms are kept only when they explain clearly more than noise
@@ -21,13 +28,30 @@ _F_THRESHOLD = 10.0  # drift terms are kept only when they explain clearly more 
 @dataclass(kw_only=True)
 class RankAlignment:
     rank: int
-    offset_us: dict[int, float] = field(default_factory=dict)  # window -> correction subtracted
+    host: str = ""
+    offset_us: dict[int, float] = field(default_factory=dict)  # window -> correction subtracted (its host's)
     drift_ppm: dict[int, float] = field(default_factory=dict)
     residual_us: float = float("nan")  # RMS of this rank's anchor residuals after the fit
     anchors: int = 0
 
     def as_dict(self) -> dict:
-        return {"rank": self.rank, "anchors": self.anchors, "residual_rms_us": _round(self.residual_us),
+        return {"rank": self.rank, "host": self.host, "anchors": self.anchors,
+                "residual_rms_us": _round(self.residual_us),
+                "offset_us": {str(w): _round(v) for w, v in self.offset_us.items()},
+                "drift_ppm": {str(w): _round(v) for w, v in self.drift_ppm.items()}}
+
+
+@dataclass(kw_only=True)
+class HostAlignment:
+    host: str  # hostname/boot_id, or "rank N" for a trace without host identities
+    ranks: list[int]
+    offset_us: dict[int, float] = field(default_factory=dict)
+    drift_ppm: dict[int, float] = field(default_factory=dict)
+    reference: bool = False  # its raw clock is the one the others are aligned to
+    kept_raw: list[int] = field(default_factory=list)  # windows whose fitted correction was dropped
+
+    def as_dict(self) -> dict:
+        return {"host": self.host, "ranks": self.ranks, "reference": self.reference, "kept_raw_windows": self.kept_raw,
                 "offset_us": {str(w): _round(v) for w, v in self.offset_us.items()},
                 "drift_ppm": {str(w): _round(v) for w, v in self.drift_ppm.items()}}
 
@@ -39,10 +63,16 @@ class Alignment:
     anchors: int
     unanchored: list[int]  # ranks with no anchor at all (kept on their wall clock)
     p2p_anchors: int = 0  # P2P messages used as anchors (receiver was waiting)
+    clock_domains: str = "host"  # "host": one clock per host; "rank" (old traces) or "mixed"
+    hosts: list[HostAlignment] = field(default_factory=list)
+    before: dict | None = None  # figures on the raw clocks (align_check.Judge.figures)
+    after: dict | None = None  # and on the aligned ones
+    notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {"anchors": self.anchors, "p2p_anchors": self.p2p_anchors, "models": self.model,
-                "unanchored_ranks": self.unanchored,
+        return {"clock_domains": self.clock_domains, "notes": self.notes, "anchors": self.anchors,
+                "p2p_anchors": self.p2p_anchors, "models": self.model, "unanchored_ranks": self.unanchored,
+                "before": self.before, "after": self.after, "hosts": [h.as_dict() for h in self.hosts],
                 "ranks": [self.ranks[r].as_dict() for r in sorted(self.ranks)]}
 
 
@@ -50,34 +80,65 @@ def _round(value: float) -> float | None:
     return None if value != value else round(float(value), 3)
 
 
-def _components(nodes: np.ndarray, instance: np.ndarray, num_nodes: int) -> np.ndarray:
-    """Connected components of nodes linked by shared instances (union-find)."""
-    parent = np.arange(num_nodes)
+@dataclass(kw_only=True)
+class ClockDomains:
+    """Which ranks read one clock. Domains are numbered by their lowest rank, so domain 0 is the
+    host of the lowest rank: the reference."""
 
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
+    of_rank: np.ndarray  # rank -> domain
+    labels: list[str]
+    members: list[list[int]]
+    mode: str
+    note: str = ""
 
-    order = np.argsort(instance, kind="stable")
-    inst_sorted, node_sorted = instance[order], nodes[order]
-    firsts = np.flatnonzero(np.concatenate([[True], inst_sorted[1:] != inst_sorted[:-1]]))
-    first_node = np.repeat(node_sorted[firsts], np.diff(np.append(firsts, len(order))))
-    for a, b in set(zip(first_node.tolist(), node_sorted.tolist())):
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[ra] = rb
-    return np.array([find(i) for i in range(num_nodes)])
+
+def clock_domains(trace: GlobalTrace) -> ClockDomains:
+    of_rank = np.full(max(trace.ranks, default=-1) + 1, -1, dtype=np.int64)
+    keys: dict[str, int] = {}
+    labels: list[str] = []
+    members: list[list[int]] = []
+    missing = []
+    for rank in sorted(trace.ranks):
+        host = trace.ranks[rank].get("host_id")
+        if not host:
+            missing.append(rank)
+        key = host or f"rank {rank}"  # a host identity always holds a '/', never equals this
+        if key not in keys:
+            keys[key] = len(labels)
+            labels.append(key)
+            members.append([])
+        of_rank[rank] = keys[key]
+        members[keys[key]].append(rank)
+    mode, note = "host", ""
+    if missing and len(missing) == len(trace.ranks):
+        mode = "rank"
+        note = ("the trace headers carry no host identity (written before MegaScan recorded it): each rank's clock "
+                "is fitted on its own, as if every rank were on a host of its own")
+    elif missing:
+        mode = "mixed"
+        note = f"ranks {missing} carry no host identity: each is fitted as a host of its own"
+    return ClockDomains(of_rank=of_rank, labels=labels, members=members, mode=mode, note=note)
+
+
+@dataclass(kw_only=True)
+class _Fit:
+    """Corrections per (domain, window) -> (offset µs, drift ppm), and per-rank anchor residuals."""
+
+    corrections: dict[tuple[int, int], tuple[float, float]]
+    squares: np.ndarray
+    counts: np.ndarray
+    models: dict[str, int]
+    references: set[tuple[int, int]] = field(default_factory=set)  # (domain, window) kept on its raw clock
+    scales: dict[tuple[int, int], float] = field(default_factory=dict)  # robust residual scale of its fit, µs
 
 
 def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = None, *,
           allow_drift: bool = True, fitted: dict[tuple[int, int], tuple[float, float]] | None = None,
           progress: Progress | None = None) -> Alignment:
-    """Estimate per-(rank, window) corrections and apply them to trace.columns start/end in place.
+    """Estimate per-(host, window) corrections and apply them to trace.columns start/end in place.
 
     `fitted`: {(rank, window): (offset µs, drift ppm)} from an earlier fit of the same files (online
-    detection re-reads a growing directory every window). Anchors tie ranks only within a window,
+    detection re-reads a growing directory every window). Anchors tie clocks only within a window,
     so a window that every rank has in `fitted` is not fitted again: its corrections are reused and
     only the new windows cost a fit.
 
@@ -87,13 +148,15 @@ def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = N
     the transfer latency cancels; these anchors tie pipeline stages together far more densely than
     the one or two collectives per iteration that span stages. `progress` counts the solver steps."""
     c = trace.columns
+    domains = clock_domains(trace)
+    bases = _bases(trace, domains)
     anchor_instances = collectives.synchronous & ~collectives.op_mismatch & (collectives.members >= 2)
     rows = np.flatnonzero(collectives.row_instance >= 0)
     rows = rows[anchor_instances[collectives.row_instance[rows]]]
     known = _known_windows(trace, fitted or {})
     rows = rows[~np.isin(c["window"][rows], known)]
     instance = collectives.row_instance[rows]
-    report, models, drift_windows = _fit(trace, rows, instance, c["end"][rows], allow_drift, progress=progress)
+    fit, drift_windows = _fit(trace, domains, bases, rows, instance, allow_drift, progress=progress)
     p2p_anchors = 0
     # Transfer latency is one-sided in an anchor; the per-link balancing cancels it on average
     # over the window, but not along time, where forward messages cluster early and backward ones
@@ -106,34 +169,68 @@ def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = N
         send, recv = p2p.send_rows, p2p.recv_rows
         new = ~np.isin(c["window"][send], known) & ~np.isin(c["window"][send], drift_windows)
         send, recv = send[new], recv[new]
-        send_end = c["end"][send] - _correction_ns(trace, report, send, c["end"][send])
-        recv_start = c["start"][recv] - _correction_ns(trace, report, recv, c["start"][recv])
+        tables = _tables(trace, domains, bases, fit.corrections)
+        send_end = c["end"][send] - _correction_ns(trace, domains, tables, send, c["end"][send])
+        recv_start = c["start"][recv] - _correction_ns(trace, domains, tables, recv, c["start"][recv])
         waited = recv_start < send_end
-        weight = _balanced_link_weights(c["rank"][send], c["rank"][recv], c["window"][send]) * waited
+        weight = balanced_link_weights(c["rank"][send], c["rank"][recv], c["window"][send]) * waited
         used = weight > 0
         if used.any():
             drifting = np.isin(c["window"][rows], drift_windows)
             # The drifting windows' fit again, alone (the same result as above), then the others
-            # with their P2P anchors, into the same report.
-            report, models, _ = _fit(trace, rows[drifting], instance[drifting], c["end"][rows[drifting]],
-                                     allow_drift, progress=progress)
+            # with their P2P anchors, into the same fit.
+            fit, _ = _fit(trace, domains, bases, rows[drifting], instance[drifting], allow_drift, progress=progress)
             ids = (int(instance.max()) + 1 if len(instance) else 0) + np.arange(int(used.sum()))
             steady = rows[~drifting]
             prior = np.concatenate([np.ones(len(steady)), weight[used], weight[used]])
             refined = np.concatenate([steady, send[used], recv[used]])
             refined_instance = np.concatenate([instance[~drifting], ids, ids])
-            report, models, _ = _fit(trace, refined, refined_instance, c["end"][refined], False, prior,
-                                     progress=progress, into=(report, models))
+            fit, _ = _fit(trace, domains, bases, refined, refined_instance, False, prior, progress=progress, into=fit)
             rows = np.concatenate([rows[drifting], refined])
             p2p_anchors = int(used.sum())
-    for (rank, window), (offset, drift) in (fitted or {}).items():
-        if window in known and rank in report:
-            report[rank].offset_us[window] = offset
-            report[rank].drift_ppm[window] = drift
-    _apply(trace, report)
-    unanchored = sorted(rank for rank, entry in report.items() if entry.anchors == 0 and not entry.offset_us)
-    return Alignment(ranks=report, model=models, anchors=int(len(rows)), unanchored=unanchored,
-                     p2p_anchors=p2p_anchors)
+    for (rank, window), correction in (fitted or {}).items():
+        if window in known and 0 <= rank < len(domains.of_rank) and domains.of_rank[rank] >= 0:
+            fit.corrections[(int(domains.of_rank[rank]), window)] = correction
+    # Causality holds under any load, the anchors' model does not: a fit that breaks it is replaced.
+    fitted_now = {w for (_, w) in fit.corrections if w not in set(known.tolist())}
+    drift_only = _tables(trace, domains, bases, {key: (0.0, drift) for key, (_, drift) in fit.corrections.items()})
+    notes = Causality(trace, collectives, p2p, domains.of_rank).respect(
+        fit.corrections, fit.references, lambda rows, times: _correction_ns(trace, domains, drift_only, rows, times),
+        domains.labels, fitted_now, fit.scales)
+    # Never worse than the raw clocks: the figures are judged on the raw times, before applying.
+    judge = Judge(trace, collectives, p2p)
+    kept_raw, kept_notes = judge.keep_raw_where_worse(
+        fit.corrections, fitted_now,
+        lambda corrections: _correction_ns(trace, domains, _tables(trace, domains, bases, corrections),
+                                           judge.rows, judge.times), domains.of_rank, domains.labels)
+    tables = _tables(trace, domains, bases, fit.corrections)
+    shift = _correction_ns(trace, domains, tables, judge.rows, judge.times)
+    before, after = judge.figures(np.zeros_like(shift)), judge.figures(shift)
+    _apply(trace, domains, tables)
+    return _report(trace, domains, fit, kept_raw, rows, p2p_anchors, before, after,
+                   ([domains.note] if domains.note else []) + notes + kept_notes)
+
+
+def _report(trace: GlobalTrace, domains: ClockDomains, fit: _Fit, kept_raw: set[tuple[int, int]], rows: np.ndarray,
+            p2p_anchors: int, before: dict, after: dict, notes: list[str]) -> Alignment:
+    references = {d for d, _ in fit.references}
+    hosts = [HostAlignment(host=label, ranks=members, reference=d in references)
+             for d, (label, members) in enumerate(zip(domains.labels, domains.members))]
+    for (d, window), (offset, drift) in sorted(fit.corrections.items()):
+        hosts[d].offset_us[window], hosts[d].drift_ppm[window] = offset, drift
+    for d, window in sorted(kept_raw):
+        hosts[d].kept_raw.append(window)
+    ranks = {}
+    for rank in trace.ranks:
+        host = hosts[domains.of_rank[rank]]
+        anchors = int(fit.counts[rank]) if rank < len(fit.counts) else 0
+        residual = float(np.sqrt(fit.squares[rank] / anchors)) if anchors else float("nan")
+        ranks[rank] = RankAlignment(rank=rank, host=host.host, offset_us=dict(host.offset_us),
+                                    drift_ppm=dict(host.drift_ppm), residual_us=residual, anchors=anchors)
+    unanchored = sorted(rank for rank, entry in ranks.items() if entry.anchors == 0 and not entry.offset_us)
+    return Alignment(ranks=ranks, model=fit.models, anchors=int(len(rows)), unanchored=unanchored,
+                     p2p_anchors=p2p_anchors, clock_domains=domains.mode, hosts=hosts, before=before, after=after,
+                     notes=notes)
 
 
 def _known_windows(trace: GlobalTrace, fitted: dict[tuple[int, int], tuple[float, float]]) -> np.ndarray:
@@ -150,53 +247,46 @@ def fitted_windows(alignment: Alignment, windows: int) -> dict[tuple[int, int], 
             for rank, entry in alignment.ranks.items() for window, offset in entry.offset_us.items() if window < windows}
 
 
-def _balanced_link_weights(src: np.ndarray, dst: np.ndarray, window: np.ndarray) -> np.ndarray:
-    """Weights giving both directions of a link (per window) the same total, so the unknown
-    transfer latency cancels between them; a link used in one direction only gets weight 0."""
-    low, high = np.minimum(src, dst).astype(np.int64), np.maximum(src, dst).astype(np.int64)
-    forward = (src < dst).astype(np.int64)
-    key = np.stack([low, high, window.astype(np.int64), forward], axis=1)
-    if not len(key):
-        return np.zeros(0)
-    _, direction_id, direction_count = np.unique(key, axis=0, return_inverse=True, return_counts=True)
-    _, link_id = np.unique(key[:, :3], axis=0, return_inverse=True)
-    direction_id, link_id = direction_id.reshape(-1), link_id.reshape(-1)
-    directions = np.bincount(link_id, weights=np.ones(len(key)) / direction_count[direction_id])
-    weight = 1.0 / direction_count[direction_id]
-    weight[directions[link_id] < 1.5] = 0.0
-    # Scale so that a link's anchors together weigh as much as its messages would unweighted.
-    link_total = np.bincount(link_id)
-    return weight * link_total[link_id] / 2.0
+def _bases(trace: GlobalTrace, domains: ClockDomains) -> np.ndarray:
+    """[domain, window] -> the wall ns a drift is measured from: the earliest start of that window
+    among the domain's ranks (they read one clock, so one origin serves them all)."""
+    windows = max([len(metas) for metas in trace.windows.values()] + [int(trace.columns["window"].max()) + 1
+                                                                       if len(trace) else 1])
+    base = np.full((len(domains.labels), windows), np.iinfo(np.int64).max, dtype=np.int64)
+    for rank, metas in trace.windows.items():
+        d = domains.of_rank[rank]
+        for window, meta in enumerate(metas):
+            base[d, window] = min(base[d, window], meta["clock"]["start"]["wall_ns"])
+    base[base == np.iinfo(np.int64).max] = 0
+    return base
 
 
-def _fit(trace: GlobalTrace, rows: np.ndarray, instance: np.ndarray, end: np.ndarray, allow_drift: bool,
-         prior: np.ndarray | None = None, progress: Progress | None = None,
-         into: tuple[dict[int, RankAlignment], dict[str, int]] | None = None
-         ) -> tuple[dict[int, RankAlignment], dict[str, int], np.ndarray]:
-    """Fit every connected component of (rank, window) nodes linked by the anchors given as event
-    rows, their anchor instance ids and their finish times (wall ns). Returns the report, the
-    number of components per model and the windows of components fitted with drift. `into`: a
-    report and model counts from a fit of other windows, added to."""
+def _fit(trace: GlobalTrace, domains: ClockDomains, bases: np.ndarray, rows: np.ndarray, instance: np.ndarray,
+         allow_drift: bool, prior: np.ndarray | None = None, progress: Progress | None = None,
+         into: _Fit | None = None) -> tuple[_Fit, np.ndarray]:
+    """Fit every connected component of (domain, window) nodes linked by the anchors given as event
+    rows and their anchor instance ids (finish times: the rows' end). Returns the fit and the
+    windows of components fitted with drift. `into`: a fit of other windows, added to."""
     c = trace.columns
-    report, models = into if into is not None else (
-        {rank: RankAlignment(rank=rank) for rank in trace.ranks}, {"offset": 0, "offset+drift": 0})
+    size = max(trace.ranks, default=0) + 1
+    fit = into or _Fit(corrections={}, squares=np.zeros(size), counts=np.zeros(size, dtype=np.int64),
+                       models={"offset": 0, "offset+drift": 0})
     drift_windows: set[int] = set()
     if not len(rows):
-        return report, models, np.zeros(0, dtype=np.int64)
+        return fit, np.zeros(0, dtype=np.int64)
     prior = np.ones(len(rows)) if prior is None else prior
-    windows = int(c["window"].max()) + 1
-    node_key = c["rank"][rows].astype(np.int64) * windows + c["window"][rows]
+    end, rank = c["end"][rows], c["rank"][rows].astype(np.int64)
+    windows = bases.shape[1]
+    node_key = domains.of_rank[rank] * windows + c["window"][rows]
     node_keys, node = np.unique(node_key, return_inverse=True)
-    window_start = {(r, w): meta["clock"]["start"]["wall_ns"]
-                    for r, metas in trace.windows.items() for w, meta in enumerate(metas)}
-    node_start = np.array([window_start[(int(k // windows), int(k % windows))] for k in node_keys], dtype=np.int64)
+    node_start = bases[node_keys // windows, node_keys % windows]
     # Center each instance in integer ns first: absolute wall ns do not fit a float's precision.
     _, inst_index = np.unique(instance, return_inverse=True)
     inst_min = np.full(inst_index.max() + 1, np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(inst_min, inst_index, end)
     d_us = (end - inst_min[inst_index]) / 1e3
     tau_s = (end - node_start[node]) / 1e9
-    component = _components(node, instance, len(node_keys))
+    component = connected(node, instance, len(node_keys))
     components, comp_sizes = np.unique(component, return_counts=True)
     tick = None
     if progress is not None:  # counted in solver steps: the fits of large components take seconds
@@ -219,60 +309,58 @@ def _fit(trace: GlobalTrace, rows: np.ndarray, instance: np.ndarray, end: np.nda
             dof = len(problem.d) - len(problem.sizes) - 2 * n
             if dof > 0 and loss1 > 0 and (loss0 - loss1) / n / (loss1 / dof) > _F_THRESHOLD:
                 x, r, use_drift = x1, r1, True
-        models["offset+drift" if use_drift else "offset"] += 1
+        fit.models["offset+drift" if use_drift else "offset"] += 1
         if use_drift:
             drift_windows.update(int(k % windows) for k in node_keys[comp_nodes])
-        # Robust gauge: the median clock of the component is taken as right, so one skewed host
-        # is corrected alone instead of shifting every healthy rank by its share of the mean.
+        # Gauge: the component's lowest domain (the host of its lowest rank; node keys sort by
+        # domain) keeps its raw clock, and every other host is measured against it. A host is
+        # moved only by what the anchors say about it, and a lone host not at all.
+        reference = int(np.argmin(node_keys[comp_nodes]))
+        fit.references.add(divmod(int(node_keys[comp_nodes[reference]]), windows))
         x = x.copy()
-        x[:n] -= np.median(x[:n])
+        x[:n] -= x[reference]
         if use_drift:
-            x[n:] -= np.median(x[n:])
-        squares = np.bincount(problem.node, weights=r * r, minlength=n)
-        counts = np.bincount(problem.node, minlength=n)
+            x[n:] -= x[n + reference]
         for i, global_node in enumerate(comp_nodes):
-            rank, window = int(node_keys[global_node] // windows), int(node_keys[global_node] % windows)
-            entry = report[rank]
-            entry.offset_us[window] = float(x[i])
-            entry.drift_ppm[window] = float(x[i + n]) if use_drift else 0.0
-            previous = 0.0 if entry.anchors == 0 else entry.residual_us ** 2 * entry.anchors
-            entry.anchors += int(counts[i])
-            entry.residual_us = float(np.sqrt((previous + squares[i]) / max(1, entry.anchors)))
-    return report, models, np.array(sorted(drift_windows), dtype=np.int64)
+            domain, window = divmod(int(node_keys[global_node]), windows)
+            fit.corrections[(domain, window)] = (float(x[i]), float(x[i + n]) if use_drift else 0.0)
+            fit.scales[(domain, window)] = sigma
+        observed = rank[mask][problem.order]
+        np.add.at(fit.squares, observed, r * r)
+        np.add.at(fit.counts, observed, 1)
+    return fit, np.array(sorted(drift_windows), dtype=np.int64)
 
 
-def _tables(trace: GlobalTrace, report: dict[int, RankAlignment]):
-    c = trace.columns
-    ranks = max(trace.ranks) + 1
-    windows = int(c["window"].max()) + 1
-    offset = np.zeros((ranks, windows))
-    drift = np.zeros((ranks, windows))
-    base = np.zeros((ranks, windows), dtype=np.int64)
-    for rank, entry in report.items():
-        for window, meta in enumerate(trace.windows[rank][:windows]):
-            base[rank, window] = meta["clock"]["start"]["wall_ns"]
-        if entry.offset_us:
-            # A window without anchors on this rank keeps the rank's typical correction.
-            offset[rank, :] = float(np.median(list(entry.offset_us.values())))
-            for window, value in entry.offset_us.items():
-                offset[rank, window] = value
-                drift[rank, window] = entry.drift_ppm.get(window, 0.0)
-    return offset, drift, base
+def _tables(trace: GlobalTrace, domains: ClockDomains, bases: np.ndarray,
+            corrections: dict[tuple[int, int], tuple[float, float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[domain, window] tables of offset (µs), drift (ppm) and drift origin (wall ns)."""
+    offset = np.zeros(bases.shape)
+    drift = np.zeros(bases.shape)
+    by_domain: dict[int, list[float]] = {}
+    for (domain, _), (value, _) in corrections.items():
+        by_domain.setdefault(domain, []).append(value)
+    for domain, values in by_domain.items():
+        # A window without anchors on this host keeps the host's typical correction.
+        offset[domain, :] = float(np.median(values))
+    for (domain, window), (value, rate) in corrections.items():
+        if window < bases.shape[1]:
+            offset[domain, window], drift[domain, window] = value, rate
+    return offset, drift, bases
 
 
-def _correction_ns(trace: GlobalTrace, report: dict[int, RankAlignment], rows: np.ndarray,
+def _correction_ns(trace: GlobalTrace, domains: ClockDomains, tables, rows: np.ndarray,
                    times: np.ndarray) -> np.ndarray:
     """What to subtract from `times` (of event `rows`) to put them on the aligned clock."""
-    offset, drift, base = _tables(trace, report)
-    rank, window = trace.columns["rank"][rows], trace.columns["window"][rows]
-    tau_s = (times - base[rank, window]) / 1e9
-    return np.round((offset[rank, window] + drift[rank, window] * tau_s) * 1e3).astype(np.int64)
+    offset, drift, base = tables
+    domain, window = domains.of_rank[trace.columns["rank"][rows]], trace.columns["window"][rows]
+    tau_s = (times - base[domain, window]) / 1e9
+    return np.round((offset[domain, window] + drift[domain, window] * tau_s) * 1e3).astype(np.int64)
 
 
-def _apply(trace: GlobalTrace, report: dict[int, RankAlignment]) -> None:
+def _apply(trace: GlobalTrace, domains: ClockDomains, tables) -> None:
     c = trace.columns
     if not len(trace):
         return
     every = np.arange(len(trace))
     for column in ("start", "end"):
-        c[column] -= _correction_ns(trace, report, every, c[column])
+        c[column] -= _correction_ns(trace, domains, tables, every, c[column])

@@ -16,11 +16,13 @@ CG_TOLERANCE = 1e-9  # relative residual; offsets then agree with the dense solv
 
 class Problem:
     """Anchors of one connected component: observations (node, instance, d = finish time in µs
-    relative to the instance's mean, tau = seconds since the node's window start)."""
+    relative to the instance's mean, tau = seconds since the node's window start). A node is one
+    clock (a host, or a rank of a trace without host identities) in one window."""
 
     def __init__(self, node: np.ndarray, instance: np.ndarray, d: np.ndarray, tau: np.ndarray, num_nodes: int,
                  prior: np.ndarray):
         order = np.lexsort((node, instance))
+        self.order = order  # observation i here is observation order[i] as given (per-rank residuals)
         self.node, self.instance, self.d, self.tau = node[order], instance[order], d[order], tau[order]
         self.prior = prior[order]
         self.num_nodes = num_nodes
@@ -173,3 +175,43 @@ def huber_loss(r: np.ndarray, scale: float) -> float:
     limit = HUBER_K * scale
     a = np.abs(r)
     return float(np.sum(np.where(a <= limit, 0.5 * a * a, limit * (a - 0.5 * limit))))
+
+
+def components(nodes: np.ndarray, instance: np.ndarray, num_nodes: int) -> np.ndarray:
+    """Connected components of nodes linked by shared instances (union-find)."""
+    parent = np.arange(num_nodes)
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    order = np.argsort(instance, kind="stable")
+    inst_sorted, node_sorted = instance[order], nodes[order]
+    firsts = np.flatnonzero(np.concatenate([[True], inst_sorted[1:] != inst_sorted[:-1]]))
+    first_node = np.repeat(node_sorted[firsts], np.diff(np.append(firsts, len(order))))
+    for a, b in set(zip(first_node.tolist(), node_sorted.tolist())):
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[ra] = rb
+    return np.array([find(i) for i in range(num_nodes)])
+
+
+def balanced_link_weights(src: np.ndarray, dst: np.ndarray, window: np.ndarray) -> np.ndarray:
+    """Weights giving both directions of a link (per window) the same total, so the unknown
+    transfer latency cancels between them; a link used in one direction only gets weight 0."""
+    low, high = np.minimum(src, dst).astype(np.int64), np.maximum(src, dst).astype(np.int64)
+    forward = (src < dst).astype(np.int64)
+    key = np.stack([low, high, window.astype(np.int64), forward], axis=1)
+    if not len(key):
+        return np.zeros(0)
+    _, direction_id, direction_count = np.unique(key, axis=0, return_inverse=True, return_counts=True)
+    _, link_id = np.unique(key[:, :3], axis=0, return_inverse=True)
+    direction_id, link_id = direction_id.reshape(-1), link_id.reshape(-1)
+    directions = np.bincount(link_id, weights=np.ones(len(key)) / direction_count[direction_id])
+    weight = 1.0 / direction_count[direction_id]
+    weight[directions[link_id] < 1.5] = 0.0
+    # Scale so that a link's anchors together weigh as much as its messages would unweighted.
+    link_total = np.bincount(link_id)
+    return weight * link_total[link_id] / 2.0

@@ -50,17 +50,53 @@ def format_summary(summary: dict, output: str) -> str:
         f"incomplete, {summary['collective_op_mismatches']} with mismatched ops",
         f"p2p: {summary['p2p_links']} send->recv links, {summary['p2p_unmatched_sends']} unmatched sends, "
         f"{summary['p2p_unmatched_recvs']} unmatched receives",
-        f"clock alignment: {alignment['anchors']} anchors, models {alignment['models']}, collective finish spread "
-        f"after alignment median {summary['collective_end_spread_us_median']} us, "
+        f"clock alignment ({_clocks(alignment)}): {alignment['anchors']} anchors "
+        f"({alignment.get('p2p_anchors', 0)} P2P), models {alignment['models']}, collective finish spread after "
+        f"alignment median {summary['collective_end_spread_us_median']} us, "
         f"p95 {summary['collective_end_spread_us_p95']} us",
-        "  rank  anchors  residual_us  offset_us (per window)",
     ]
+    lines.extend(format_alignment(alignment))
+    return "\n".join(lines)
+
+
+def _clocks(alignment: dict) -> str:
+    hosts = len(alignment.get("hosts", []))
+    if not alignment["ranks"]:
+        return "off: each rank on its own wall clock"
+    if alignment.get("clock_domains") == "rank":
+        return "one clock per rank: no host identities in the trace"
+    return f"one clock per host, {hosts} host{'s' if hosts != 1 else ''}" + (", nothing to align" if hosts == 1 else "")
+
+
+def format_alignment(alignment: dict) -> list[str]:
+    """The clocks: one per host (or per rank for old traces), the figures on the raw clocks and
+    on the aligned ones, which corrections were dropped, then per host and per rank."""
+    from megatron.scan.hang import rank_ranges
+
+    lines = [f"  note: {note}" for note in alignment.get("notes", [])]
+    before, after = alignment.get("before"), alignment.get("after")
+    if before and after:
+        def spread(f: dict) -> str:
+            return f"median {f['finish_spread_us_median']} us, p95 {f['finish_spread_us_p95']} us"
+        lines += [f"  finish spread (latest - earliest finish) of {before['collective_instances']} synchronous "
+                  f"collectives: raw clocks {spread(before)}; aligned {spread(after)}",
+                  f"  P2P receives ending before their send started: raw clocks {before['causality_violations']}, "
+                  f"aligned {after['causality_violations']} of {before['p2p_messages']}"]
+    hosts = alignment.get("hosts", [])
+    if alignment.get("clock_domains") != "rank" and hosts:
+        lines.append(f"  {len(hosts)} host clock(s): host  ranks  offset_us (per window)")
+        for host in hosts:
+            offsets = ", ".join(f"{v:.1f}" for v in host["offset_us"].values() if v is not None) or "-"
+            marks = (" (reference)" if host["reference"] else "") + \
+                (f" (raw clock kept in windows {host['kept_raw_windows']})" if host["kept_raw_windows"] else "")
+            lines.append(f"  {host['host']}  {rank_ranges(host['ranks'])}  {offsets}{marks}")
+    lines.append("  rank  anchors  residual_us  offset_us (per window)")
     for entry in alignment["ranks"]:
         offsets = ", ".join(f"{v:.1f}" for v in entry["offset_us"].values() if v is not None) or "-"
         lines.append(f"  {entry['rank']:4d}  {entry['anchors']:7d}  {entry['residual_rms_us'] or 0:11.1f}  {offsets}")
     if alignment["unanchored_ranks"]:
         lines.append(f"  unanchored (wall clock only): {alignment['unanchored_ranks']}")
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
