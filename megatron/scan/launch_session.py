@@ -11,11 +11,11 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported once the process group exists, not at start-up
     from megatron.scan.launch_spans import ModelSpans
+    from megatron.scan.session import LaunchOptions, TraceSession
 
 _C10D = "torch.distributed.distributed_c10d"
 _MCORE_SCHEDULES = "megatron.core.pipeline_parallel.schedules"
@@ -58,6 +58,11 @@ def when_imported(name: str, then) -> None:
         then(module)
     else:
         sys.meta_path.insert(0, _ImportHook(name, then))
+
+
+def armed(environ) -> bool:
+    """Whether `launch` (or its printed environment) asked this process to trace."""
+    return bool(environ.get("MEGASCAN_SESSION") or environ.get("MEGASCAN_TRACE_DIR"))
 
 
 def arm() -> None:
@@ -121,23 +126,20 @@ class LaunchSession:
 
     @classmethod
     def start_from_environment(cls) -> "LaunchSession | None":
-        if cls.current is not None or not os.environ.get("MEGASCAN_TRACE_DIR"):
+        if cls.current is not None or not armed(os.environ):
             return cls.current
-        cls.current = cls(os.environ)
+        from megatron.scan.launcher import options_from_environment
+
+        cls.current = cls(options_from_environment(os.environ), os.environ)
         cls.current.start()
         return cls.current
 
-    def __init__(self, environ: dict[str, str] | os._Environ) -> None:
-        self.directory = Path(environ["MEGASCAN_TRACE_DIR"])
+    def __init__(self, options: "LaunchOptions", environ: dict[str, str] | os._Environ) -> None:
+        self.options = options
+        self.directory = options.trace.directory
         self.run_id = environ.get("MEGASCAN_RUN_ID") or f"{environ.get('MASTER_ADDR')}-{environ.get('MASTER_PORT')}"
-        self.interval = int(environ.get("MEGASCAN_TRACE_INTERVAL", "5"))
-        self.continuous = int(environ.get("MEGASCAN_CONTINUOUS_ITERATIONS", "2"))
-        self.hang_timeout = float(environ.get("MEGASCAN_HANG_TIMEOUT", "300"))
-        port = environ.get("MEGASCAN_METRICS_PORT")
-        self.metrics_port = int(port) if port not in (None, "") else None
-        self.token_file = environ.get("MEGASCAN_METRICS_CONTROL_TOKEN_FILE") or None
+        self.session: TraceSession | None = None
         self.control = None
-        self.gather = environ.get("MEGASCAN_TRACE_GATHER", "auto") != "off"
         self.gathering = None
         self._closed = False
         self.tracer = None
@@ -159,49 +161,32 @@ class LaunchSession:
         import torch.distributed as dist
 
         from megatron.scan.launch_spans import ModelSpans, hook_ddp
+        from megatron.scan.session import start_trace
         from megatron.scan.timers import build_timer
-        from megatron.scan.trace_format import TraceWriter, header_fields, trace_file_name
-        from megatron.scan.control import CaptureSchedule, ControlExchange
-        from megatron.scan.tracer import Tracer, WindowSchedule
-        from megatron.scan.watchdog import CrashCapture, Watchdog, process_identity
+        from megatron.scan.watchdog import process_identity, start_watchdog
 
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        # A gloo side group for MegaScan's own exchanges (the run id now, capture decisions later),
-        # created by every rank alike. Rank 0's run id is the job's: each node's `launch` made its own.
-        side = dist.new_group(backend="gloo") if world_size > 1 else None
-        if side is not None:
-            holder = [self.run_id]
-            dist.broadcast_object_list(holder, src=0, group=side)
-            self.run_id = holder[0]
         # Without a model of the program's parallelism every rank is a data-parallel replica; the
-        # groups each collective ran on are in the trace, which is what matching needs.
-        header = header_fields(
-            rank=rank, world_size=world_size, run_id=self.run_id,
+        # groups each collective ran on are in the trace, which is what matching needs. Rank 0's
+        # run id is the job's: each node's `launch` made its own. No layer scopes here, whatever
+        # --trace-granularity says: the header names what is recorded (coarse once the model's
+        # spans are found, megatron-core's with its schedule).
+        self.session = session = start_trace(
+            self.options.trace, rank=rank, world_size=world_size, run_id=self.run_id,
             coordinates={"dp": rank, "pp": 0, "tp": 0}, sizes={"dp": world_size, "pp": 1, "tp": 1, "vpp": 1},
+            timer=build_timer("cpu", None), granularity="collectives",
             extra={"device": "launched", "timing": "host-monotonic", "backend": str(dist.get_backend()),
-                   "trace": {"interval": self.interval, "continuous": self.continuous, "granularity": "collectives"},
-                   "launcher": {"argv": sys.argv[:16]}, "num_microbatches": 1, "schedule": [],
-                   "start_iteration": 0})
-        writer = TraceWriter(self.directory / trace_file_name(rank, 0, 0), header)
-        if self.gather:  # nodes without a shared file system: the others' files stream to rank 0's directory
-            from megatron.scan.gather import Gathering
-
-            self.gathering = Gathering(writer, self.run_id, rank, world_size)
-        # Windows on demand (`python -m megatron.scan capture --job DIR`), agreed over a gloo side
-        # group that every rank creates here alike, as the trainer's ranks do.
-        schedule = CaptureSchedule(WindowSchedule(self.interval, self.continuous))
-        self.control = ControlExchange(self.directory, rank, schedule, side)
-        self.tracer = tracer = Tracer(writer=writer, timer=build_timer("cpu", None), schedule=schedule)
+                   "launcher": {"argv": sys.argv[:16]}, "num_microbatches": 1, "schedule": []})
+        self.run_id, self.control, self.gathering = session.run_id, session.control, session.gathering
+        self.tracer = tracer = session.tracer
         tracer.collectives.install(ALIAS_PREFIXES)
         tracer.trace_point_to_point(ALIAS_PREFIXES)
         identity = process_identity(rank, world_size, {"dp": rank, "pp": 0, "tp": 0})
-        self.crash = CrashCapture(self.directory, identity).install()
-        if self.hang_timeout > 0:
-            self.watchdog = Watchdog(directory=self.directory, identity=identity, timeout=self.hang_timeout,
-                                     observer=tracer.collectives)
+        self.crash, self.watchdog = start_watchdog(self.directory, identity, self.options.hang_timeout,
+                                                   tracer.collectives)
+        if self.watchdog is not None:
             tracer.collectives.listeners.append(self.watchdog.on_collective)
-            self.watchdog.start()
-        if self.metrics_port is not None:
+        if self.options.metrics_port is not None:
             self._start_metrics(identity)
         if os.environ.get("MEGASCAN_MODEL_SPANS", "1") != "0":
             self.spans = ModelSpans(tracer, rank).install()
@@ -214,16 +199,12 @@ class LaunchSession:
         atexit.register(self.close, "exit")
 
     def _start_metrics(self, identity: dict[str, Any]) -> None:
-        from megatron.scan.metrics import RankMetrics
+        from megatron.scan.control import read_control_token
+        from megatron.scan.metrics import start_rank_metrics
 
-        self.metrics = RankMetrics(identity)
-        port = 0 if self.metrics_port == 0 else self.metrics_port + identity["local_rank"]
-        from megatron.scan.control import control_handler, not_rank_zero, read_control_token
-
-        token = read_control_token(self.token_file) if self.token_file else None
-        control = control_handler(self.directory, token, traced=True)
-        self.metrics.serve(port, control=control if identity["rank"] == 0 else not_rank_zero)
-        self.metrics.write_target(self.directory)
+        token_file = self.options.metrics_control_token_file
+        self.metrics = start_rank_metrics(identity, self.directory, port=self.options.metrics_port,
+                                          token=read_control_token(token_file) if token_file else None, traced=True)
         self.tracer.collectives.listeners.append(self.metrics.on_collective)
         if self.watchdog is not None:
             self.watchdog.hang_listeners.append(self.metrics.on_hang)
@@ -357,18 +338,15 @@ class LaunchSession:
         if self._closed:  # at destroy_process_group, then again at exit
             return
         self._closed = True
-        if self.control is not None:
-            self.control.close(timeout=10.0)  # the last decision's broadcast, if every rank got that far
-        if self.tracer is not None and not self.tracer.closed:
-            with self._lock:
-                self.tracer.close({"reason": reason, "iterations": self.iteration})
-            if self._undo_steps is not None:
-                self._undo_steps()
+        if self.session is not None:
+            # At most 10 s for the last capture broadcast: at exit some peers may be gone already.
+            self.session.close(reason, end={"iterations": self.iteration}, control_timeout=10.0,
+                               gather_timeout=120.0, lock=self._lock)
+            self.gathering = None
+        if self._undo_steps is not None:
+            self._undo_steps()
         if self.spans is not None:
             self.spans.uninstall()
-        if self.gathering is not None:
-            self.gathering.close(timeout=120.0)
-            self.gathering = None
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.metrics is not None:

@@ -5,84 +5,148 @@ buckets, optimizer steps, the data wait, and the forward and backward per microb
 being trained (the outermost module called with grad whose parameters an optimizer holds). In a
 megatron-core program the pipeline schedule's own forward and backward per (chunk, microbatch) are
 recorded instead, and each rank's TP/PP/DP coordinates come from megatron-core's parallel state, so
-pipeline stages are told apart. This module is the command;
-what runs in each worker is megatron.scan.launch_session."""
+pipeline stages are told apart. This module is the command: it takes the trainer's `--trace` flags
+(megatron.scan.session, the same names, defaults and meaning) plus its own, and hands the workers
+the parsed configuration in MEGASCAN_SESSION; what runs in each worker is megatron.scan.launch_session."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import shlex
 import sys
 import uuid
 from pathlib import Path
 
+from megatron.app.config import ConfigError
+from megatron.scan.session import (
+    DEFAULT_HANG_TIMEOUT_S,
+    SESSION_VARIABLE,
+    LaunchOptions,
+    TraceConfig,
+    add_trace_arguments,
+)
+
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding megatron/
+# What `--print-env` prints (MEGASCAN_TRACE_DIR is the switch the bootstrap looks for).
+EXPORTED = ("PYTHONPATH", "MEGASCAN_TRACE_DIR", "MEGASCAN_RUN_ID", SESSION_VARIABLE)
+# The variables earlier versions exported one per flag, still read where MEGASCAN_SESSION is not
+# set (an environment written out by hand): as the flags they stood for, so with today's defaults.
+LEGACY_VARIABLES = (("MEGASCAN_TRACE_INTERVAL", "--trace-interval"),
+                    ("MEGASCAN_CONTINUOUS_ITERATIONS", "--continuous-trace-iterations"),
+                    ("MEGASCAN_TRACE_GATHER", "--trace-gather"), ("MEGASCAN_HANG_TIMEOUT", "--hang-timeout"),
+                    ("MEGASCAN_METRICS_PORT", "--metrics-port"),
+                    ("MEGASCAN_METRICS_CONTROL_TOKEN_FILE", "--metrics-control-token-file"))
 
 
 # ------------------------------------------------------------------------------ the launch command
 
 
-def launch_environment(args: argparse.Namespace, base: dict[str, str] | None = None) -> dict[str, str]:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_trace_arguments(parser)  # the trainer's --trace flags, with its defaults: one configuration for both
+    g = parser.add_argument_group("launch")
+    g.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S, metavar="SECONDS",
+                   help=f"dump stacks and collectives after SECONDS without progress (default "
+                        f"{DEFAULT_HANG_TIMEOUT_S:g}; 0: off)")
+    g.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on PORT + local rank (0: ephemeral)")
+    g.add_argument("--metrics-control-token-file", default=None, metavar="FILE",
+                   help="accept POST /capture on rank 0's metrics port from callers presenting the token in FILE "
+                        "(`Authorization: Bearer TOKEN`); without it the port is read-only")
+    g.add_argument("--print-env", action="store_true",
+                   help="print the environment-variable form instead of running COMMAND")
+    parser.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="torchrun ... script.py args")
+
+
+def launch_options(args: argparse.Namespace) -> LaunchOptions:
+    """The configuration the workers get; raises ConfigError listing every problem with the flags."""
+    problems = []
+    try:
+        trace = TraceConfig.from_args(args)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    if args.hang_timeout < 0:
+        problems.append(f"--hang-timeout must be >= 0 seconds, got {args.hang_timeout:g}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        problems.append(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
+    token_file = None
+    if args.metrics_control_token_file:
+        from megatron.scan.control import read_control_token
+
+        token_file = str(Path(args.metrics_control_token_file).resolve())
+        try:
+            read_control_token(token_file)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError("; ".join(problems))
+    # Launched jobs always trace; workers may start in another directory.
+    trace = dataclasses.replace(trace, enabled=True, directory=trace.directory.resolve())
+    return LaunchOptions(trace=trace, hang_timeout=args.hang_timeout, metrics_port=args.metrics_port,
+                         metrics_control_token_file=token_file)
+
+
+def launch_environment(options: LaunchOptions, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment that arms tracing in every worker the command starts."""
     env = dict(os.environ if base is None else base)
     paths = [str(BOOTSTRAP_DIR), str(PACKAGE_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    env["MEGASCAN_TRACE_DIR"] = str(Path(args.trace_dir).resolve())
+    env["MEGASCAN_TRACE_DIR"] = str(options.trace.directory)
     env["MEGASCAN_RUN_ID"] = env.get("MEGASCAN_RUN_ID") or uuid.uuid4().hex[:16]
-    env["MEGASCAN_TRACE_INTERVAL"] = str(args.trace_interval)
-    env["MEGASCAN_CONTINUOUS_ITERATIONS"] = str(args.continuous_trace_iterations)
-    env["MEGASCAN_HANG_TIMEOUT"] = str(args.hang_timeout)
-    env["MEGASCAN_TRACE_GATHER"] = args.trace_gather
-    if args.metrics_port is not None:
-        env["MEGASCAN_METRICS_PORT"] = str(args.metrics_port)
-    if args.metrics_control_token_file:
-        env["MEGASCAN_METRICS_CONTROL_TOKEN_FILE"] = str(Path(args.metrics_control_token_file).resolve())
+    env[SESSION_VARIABLE] = options.to_json()
+    for variable, _ in LEGACY_VARIABLES:  # one source of configuration: none left over from an older launch
+        env.pop(variable, None)
     return env
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace-dir", default="trace", metavar="DIR", help="where rank files, dumps and crash files go")
-    parser.add_argument("--trace-interval", type=int, default=5, metavar="N",
-                        help="a traced window starts every N optimizer steps")
-    parser.add_argument("--continuous-trace-iterations", type=int, default=2, metavar="K", help="steps per window")
-    parser.add_argument("--trace-gather", choices=["auto", "off"], default="auto",
-                        help="auto: ranks whose --trace-dir is not rank 0's (a node's own disk) also stream their trace "
-                             "files to rank 0's --trace-dir in the background; off: each node keeps only its own")
-    parser.add_argument("--hang-timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="dump stacks and collectives after SECONDS without progress (0: off)")
-    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                        help="serve Prometheus metrics on PORT + local rank (0: ephemeral)")
-    parser.add_argument("--metrics-control-token-file", default=None, metavar="FILE",
-                        help="accept POST /capture on rank 0's metrics port from callers presenting the token in FILE "
-                             "(`Authorization: Bearer TOKEN`); without it the port is read-only")
-    parser.add_argument("--print-env", action="store_true",
-                        help="print the environment-variable form instead of running COMMAND")
-    parser.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="torchrun ... script.py args")
+def options_from_environment(environ) -> LaunchOptions:
+    """A worker's configuration: MEGASCAN_SESSION, or the variables of earlier versions read
+    through the launch command's own flags. MEGASCAN_TRACE_DIR, where set, names the directory (the
+    switch a hand-written environment changes per node)."""
+    text = environ.get(SESSION_VARIABLE)
+    if text:
+        options = LaunchOptions.from_json(text)
+    else:
+        argv = []
+        for variable, flag in LEGACY_VARIABLES:
+            if environ.get(variable):
+                argv += [flag, environ[variable]]
+        try:
+            args = build_parser("MEGASCAN_* variables").parse_args(argv)
+        except SystemExit:  # argparse exits on a bad value; a worker must not
+            raise ValueError(f"cannot read the MEGASCAN_* variables as flags: {' '.join(argv)}") from None
+        options = launch_options(args)
+    directory = environ.get("MEGASCAN_TRACE_DIR")
+    if directory and Path(directory) != options.trace.directory:
+        options = dataclasses.replace(options, trace=dataclasses.replace(options.trace, directory=Path(directory)))
+    return options
+
+
+def build_parser(prog: str = "python -m megatron.scan launch") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="trace any torch.distributed job: launch -- torchrun ...")
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command on its own (`python -m megatron.scan launch` reaches `run` through the CLI)."""
+    return run(build_parser().parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
     command = list(args.job)
     if command and command[0] == "--":
         command = command[1:]
-    if args.trace_interval < 1 or not 1 <= args.continuous_trace_iterations <= args.trace_interval:
-        print("error: need --trace-interval >= 1 and 1 <= --continuous-trace-iterations <= --trace-interval",
-              file=sys.stderr)
+    try:
+        options = launch_options(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.metrics_control_token_file:
-        from megatron.scan.control import read_control_token
-
-        try:
-            read_control_token(args.metrics_control_token_file)
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-    env = launch_environment(args)
+    env = launch_environment(options)
     if args.print_env:
-        for key in ("PYTHONPATH", "MEGASCAN_TRACE_DIR", "MEGASCAN_RUN_ID", "MEGASCAN_TRACE_INTERVAL",
-                    "MEGASCAN_CONTINUOUS_ITERATIONS", "MEGASCAN_HANG_TIMEOUT", "MEGASCAN_METRICS_PORT", "MEGASCAN_TRACE_GATHER",
-                    "MEGASCAN_METRICS_CONTROL_TOKEN_FILE"):
-            if key in env:
-                print(f"export {key}={env[key]}")
+        for key in EXPORTED:
+            print(f"export {key}={shlex.quote(env[key])}")
         return 0
     if not command:
         print("error: nothing to launch; usage: python -m megatron.scan launch [options] -- torchrun ... script.py",

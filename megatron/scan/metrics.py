@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron.app.plugins import Plugin, register_plugin
 from megatron.scan.collectives import GroupInfo
+from megatron.scan.session import output_directory
 from megatron.scan.watchdog import shared_collective_observer, write_json_atomically
 
 # The spine's span kinds worth a latency summary; any other kind is ignored so that a new span in
@@ -210,6 +211,21 @@ class MetricsSpans:
         self.metrics.on_hang(hung)
 
 
+def start_rank_metrics(identity: dict[str, Any], directory: str | os.PathLike, *, port: int,
+                       addr: str = "0.0.0.0", token: str | None = None, traced: bool = False) -> RankMetrics:
+    """This rank's metrics, served on `port` + its local rank (0: any free port) and announced in
+    `directory` for Prometheus: the trainer's plugin and a launched job's ranks alike. Only rank 0's
+    port takes capture requests (with `token`); the others answer where to send them."""
+    from megatron.scan.control import control_handler, not_rank_zero
+
+    metrics = RankMetrics(identity)
+    control = control_handler(directory, token, traced) if identity["rank"] == 0 else not_rank_zero
+    metrics.serve(0 if port == 0 else port + identity["local_rank"], addr, control=control)
+    metrics.write_target(directory)
+    print(f"[megascan] rank {identity['rank']}: metrics on :{metrics.port}/metrics", file=sys.stderr, flush=True)
+    return metrics
+
+
 def suspect_scores(compute_seconds: list[float]) -> list[float]:
     """Each rank's compute time over the median of all ranks (ranks with no compute count as 1)."""
     positive = [c for c in compute_seconds if c > 0]
@@ -255,7 +271,6 @@ class MetricsPlugin(Plugin):
 
     def configure(self, cfg) -> None:
         from megatron.app.config import ConfigError
-        from megatron.scan.plugin import output_directory
 
         args = cfg.args
         if not 0 <= args.metrics_port <= 65535:
@@ -289,17 +304,11 @@ class MetricsPlugin(Plugin):
         config = self.config
         identity = process_identity(ctx.rank, ctx.cfg.parallel.world_size,
                                     {"dp": ctx.dp_rank, "pp": ctx.pp_rank, "tp": ctx.tp_rank})
-        self.metrics = metrics = RankMetrics(identity)
-        port = 0 if config.port == 0 else config.port + identity["local_rank"]
-        from megatron.scan.control import control_handler, not_rank_zero
-
-        control = control_handler(self.directory, config.control_token, config.traced)
-        metrics.serve(port, config.addr, control=control if ctx.rank == 0 else not_rank_zero)
-        metrics.write_target(self.directory)
+        self.metrics = metrics = start_rank_metrics(identity, self.directory, port=config.port, addr=config.addr,
+                                                    token=config.control_token, traced=config.traced)
         from megatron.scan.gpu_counters import GpuCounters
 
         self.gpu = GpuCounters(_cuda_device())
-        print(f"[megascan] rank {ctx.rank}: metrics on :{metrics.port}/metrics", file=sys.stderr, flush=True)
         shared_collective_observer()  # collectives wrapped (by the tracer, or here), reported to observers
         set_observer(MetricsSpans(metrics))
 

@@ -39,15 +39,19 @@ def _current_cuda_device() -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class WindowSchedule:
-    """`continuous` consecutive traced iterations out of every `interval` (iterations count from 0)."""
+    """`continuous` consecutive traced iterations out of every `interval` (iterations count from 0),
+    and every iteration before `dense_until` (the run's first ones), in windows of `interval`."""
 
     interval: int
     continuous: int
+    dense_until: int = 0
 
     def is_traced(self, iteration: int) -> bool:
-        return iteration % self.interval < self.continuous
+        return iteration < self.dense_until or iteration % self.interval < self.continuous
 
     def is_window_end(self, iteration: int) -> bool:
+        if iteration < self.dense_until:
+            return iteration % self.interval == self.interval - 1 or iteration == self.dense_until - 1
         return iteration % self.interval == self.continuous - 1
 
 

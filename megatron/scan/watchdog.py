@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from megatron.app.plugins import Plugin, register_plugin
 from megatron.scan.collectives import CollectiveObserver, GroupInfo, installed_observer
+from megatron.scan.session import DEFAULT_HANG_TIMEOUT_S, output_directory
 
 DUMP_FORMAT = "megascan-hang"
-DEFAULT_HANG_TIMEOUT_S = 300.0
 # Spans whose open state says who this rank is waiting for.
 P2P_KINDS = frozenset({"send", "recv"})
 
@@ -346,6 +346,18 @@ class CrashCapture:
         atexit.unregister(self._remove_empty_fatal_file)
 
 
+def start_watchdog(directory: str | os.PathLike, identity: dict[str, Any], timeout: float,
+                   observer: CollectiveObserver | None) -> tuple[CrashCapture, Watchdog | None]:
+    """Crash capture, and for `timeout` > 0 a running watchdog over `observer`'s groups: the same
+    for the trainer's plugin and a launched job's ranks, which differ only in how progress reaches
+    the watchdog (the spine's observer, or the launcher's collective listener)."""
+    crash = CrashCapture(directory, identity).install()
+    if timeout <= 0:
+        return crash, None
+    watchdog = Watchdog(directory=directory, identity=identity, timeout=timeout, observer=observer)
+    return crash, watchdog.start()
+
+
 # ------------------------------------------------------------------------------ trainer plugin
 
 
@@ -411,8 +423,6 @@ class WatchdogPlugin(Plugin):
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.timeout = DEFAULT_HANG_TIMEOUT_S if args.hang_timeout is None else args.hang_timeout
-        from megatron.scan.plugin import output_directory
-
         self.directory = output_directory(args)
         self.watchdog = None
         self.crash = None
@@ -423,15 +433,13 @@ class WatchdogPlugin(Plugin):
 
         identity = process_identity(ctx.rank, ctx.cfg.parallel.world_size,
                                     {"dp": ctx.dp_rank, "pp": ctx.pp_rank, "tp": ctx.tp_rank})
-        self.crash = CrashCapture(self.directory, identity).install()
-        if self.timeout > 0:
-            # Collectives are wrapped (by the tracer, or here) and reported through the spine's observer.
-            self.watchdog = Watchdog(directory=self.directory, identity=identity, timeout=self.timeout,
-                                     observer=shared_collective_observer())
+        # Collectives are wrapped (by the tracer, or here) and reported through the spine's observer.
+        observer = shared_collective_observer() if self.timeout > 0 else None
+        self.crash, self.watchdog = start_watchdog(self.directory, identity, self.timeout, observer)
+        if self.watchdog is not None:
             self.spans = WatchdogSpans(self.watchdog)
             set_observer(self.spans)
             self.watchdog.hang_listeners.append(observer_hang)  # every observer learns of a hang
-            self.watchdog.start()
 
     def before_iteration(self, ctx, iteration: int) -> None:
         if self.watchdog is not None:

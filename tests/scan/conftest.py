@@ -25,7 +25,8 @@ def traced_tp2_pp2(tmp_path_factory):
     host clock 40 ms ahead."""
     trace_dir = tmp_path_factory.mktemp("trace_tp2_pp2")
     proc = train(trace_dir, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
-                 ["--trace-interval", "5", "--continuous-trace-iterations", "2", "--trace-granularity", "full",
+                 ["--trace-interval", "5", "--continuous-trace-iterations", "2", "--trace-dense-iterations", "0",
+                  "--trace-granularity", "full",
                   "--trace-clock-skew", f"{SKEWED_RANK}:{SKEW_MS}"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return trace_dir, proc

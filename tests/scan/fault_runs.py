@@ -19,7 +19,8 @@ from launch import ROOT, env, free_port, writable_hierarchy  # noqa: F401 (the f
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--micro-batch-size", "2", "--global-batch-size", "16", "--mock-data", "--vocab-size", "256",
-         "--device", "cpu", "--trace", "--trace-interval", "1", "--continuous-trace-iterations", "1"]
+         "--device", "cpu", "--trace"]
+EVERY_ITERATION = ["--trace-interval", "1", "--continuous-trace-iterations", "1"]
 ITERATION = re.compile(r" iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
@@ -53,6 +54,7 @@ class Scenario:
     throttles: list[Throttle] = field(default_factory=list)
     iterations: int = 12
     granularity: str = "coarse"  # --trace-granularity (full adds per-layer spans)
+    defaults: bool = False  # MegaScan's default windows and granularity (no --trace-interval etc.)
     healthy_of: str = ""  # name of the layout's healthy scenario (job-level slowdown baseline)
 
     @property
@@ -102,7 +104,8 @@ def run(scenario: Scenario, trace_dir: Path, *, timeout: float = 600) -> RunResu
     port = free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(scenario.nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(port), "pretrain_gpt.py", *MODEL,
-               "--train-iters", str(scenario.iterations), "--trace-granularity", scenario.granularity,
+               *([] if scenario.defaults else [*EVERY_ITERATION, "--trace-granularity", scenario.granularity]),
+               "--train-iters", str(scenario.iterations),
                *scenario.layout, *scenario.inject, *scenario.extra,
                "--trace-dir", str(trace_dir)]
     job = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

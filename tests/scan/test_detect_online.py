@@ -72,10 +72,10 @@ def test_a_pp_only_job_traced_coarse_is_told_what_per_layer_spans_add(tmp_path):
     model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
              "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data", "--vocab-size", "128",
              "--device", "cpu", "--train-iters", "1", "--pipeline-model-parallel-size", "2", "--online-detect"]
-    coarse = torchrun("pretrain_gpt.py", [*model, "--trace", "--trace-dir", str(tmp_path / "coarse")], nproc=2,
-                      timeout=180)
-    full = torchrun("pretrain_gpt.py", [*model, "--trace", "--trace-dir", str(tmp_path / "full"),
-                                        "--trace-granularity", "full"], nproc=2, timeout=180)
+    coarse = torchrun("pretrain_gpt.py", [*model, "--trace", "--trace-dir", str(tmp_path / "coarse"),
+                                          "--trace-granularity", "coarse"], nproc=2, timeout=180)
+    full = torchrun("pretrain_gpt.py", [*model, "--trace", "--trace-dir", str(tmp_path / "full")], nproc=2,
+                    timeout=180)  # per-layer spans are the default
     assert coarse.returncode == full.returncode == 0, (coarse.stderr[-2000:], full.stderr[-2000:])
     note = "no pipeline stage has a peer"
     assert coarse.stderr.count(note) == 1 and "--trace-granularity full" in coarse.stderr

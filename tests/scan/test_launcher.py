@@ -3,6 +3,8 @@ run through `python -m megatron.scan launch -- torchrun ...`; its rank files agg
 the slowed rank is the one every peer waits for in the gradient all-reduce."""
 from __future__ import annotations
 
+import json
+import shlex
 import statistics
 import sys
 
@@ -41,6 +43,15 @@ def test_rank_files_aggregate(launched, tmp_path):
     assert not (launched / "crash-rank0-fatal.txt").exists()  # a clean exit leaves no crash files
 
 
+def test_windows_given_on_the_command_line_are_traced_exactly(launched):
+    from megatron.scan.trace_format import read_rank_file
+
+    for path in launched.glob("benchmark-data-*.json"):
+        trace = read_rank_file(path)
+        assert [w["iterations"] for w in trace.windows] == [[0, 1], [4, 5], [8, 9]], path
+        assert trace.header["trace"]["dense_until"] == 0  # no dense start: --trace-interval was given
+
+
 def test_slowed_rank_is_waited_for(launched):
     from megatron.scan.trace_format import read_rank_file
 
@@ -63,8 +74,10 @@ def test_environment_form_single_process(tmp_path):
     """The printed `export` lines arm a process started any other way (here one rank, no torchrun)."""
     printed = python(["-m", "megatron.scan", "launch", "--trace-dir", str(tmp_path), "--print-env"], timeout=60)
     assert printed.returncode == 0, printed.stderr
-    env = dict(line[len("export "):].split("=", 1) for line in printed.stdout.splitlines())
+    # As the shell's `eval` reads them: the session's JSON is quoted.
+    env = dict(shlex.split(line)[1].split("=", 1) for line in printed.stdout.splitlines())
     assert env["MEGASCAN_TRACE_DIR"] == str(tmp_path)
+    assert json.loads(env["MEGASCAN_SESSION"])["trace"]["directory"] == str(tmp_path)
     env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(free_port())})
     proc = python([str(SCRIPT), "--steps", "3"], extra_env=env, timeout=120)
@@ -73,3 +86,5 @@ def test_environment_form_single_process(tmp_path):
 
     trace = read_rank_file(tmp_path / "benchmark-data-0-pipeline-0-tensor-0.json")
     assert trace.ended and "all_reduce" in trace.names and "optimizer" in trace.names
+    # Default flags: the dense start, so all 3 steps of this short run are traced.
+    assert [m["iteration"] for w in trace.windows for m in w["metrics"]] == [0, 1, 2]

@@ -32,7 +32,7 @@ def test_one_file_per_rank_with_header(traced_tp2_pp2):
         assert h["sizes"] == {"dp": 1, "pp": 2, "tp": 2, "vpp": 1}
         assert h["host"] == socket.gethostname() and h["device"] == "cpu" and h["timing"] == "host-monotonic"
         assert set(h["clock_reference"]) == {"wall_ns", "monotonic_ns"}
-        assert h["trace"] == {"interval": 5, "continuous": 2, "granularity": "full"}
+        assert h["trace"] == {"interval": 5, "continuous": 2, "granularity": "full", "dense_until": 0}
         run_ids.add(h["run_id"])
         # Windows of 2 iterations every 5, each with its own wall/monotonic reference pairs; then the end line.
         assert [w["iterations"] for w in f.windows] == [[0, 1], [5, 6]]

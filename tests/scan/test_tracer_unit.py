@@ -25,6 +25,15 @@ def test_window_schedule(interval, continuous, traced, ends):
     assert [i for i in range(8) if schedule.is_window_end(i)] == ends
 
 
+def test_a_dense_start_traces_every_one_of_the_first_iterations_in_windows_of_the_interval():
+    """The default start: every one of the first 20 iterations (20 to compare, not 8), then 2 in 5."""
+    schedule = WindowSchedule(5, 2, dense_until=12)
+    assert [i for i in range(30) if schedule.is_traced(i)] == [*range(12), 15, 16, 20, 21, 25, 26]
+    assert [i for i in range(30) if schedule.is_window_end(i)] == [4, 9, 11, 16, 21, 26]
+    resumed = WindowSchedule(5, 2, dense_until=1000 + 20)  # resumed at iteration 1000: its own first 20
+    assert [i for i in range(1000, 1030) if resumed.is_traced(i)] == [*range(1000, 1020), 1020, 1021, 1025, 1026]
+
+
 @pytest.fixture
 def world(tmp_path):
     if not dist.is_initialized():

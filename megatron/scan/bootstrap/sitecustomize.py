@@ -23,7 +23,8 @@ def _chain_next_sitecustomize() -> None:
 
 
 # Only worker processes (torchrun sets RANK for them), never torchrun itself or unrelated tools.
-if os.environ.get("MEGASCAN_TRACE_DIR") and "RANK" in os.environ:
+# MEGASCAN_SESSION is what `launch` sets; MEGASCAN_TRACE_DIR alone, an environment written by hand.
+if (os.environ.get("MEGASCAN_SESSION") or os.environ.get("MEGASCAN_TRACE_DIR")) and "RANK" in os.environ:
     try:
         from megatron.scan.launch_session import arm
 
