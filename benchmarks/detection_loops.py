@@ -1,7 +1,8 @@
 """Slow-rank detection on training loops this project did not write (tests/scan/loops/: Hugging
 Face Trainer, Lightning, ignite, a plain DDP script), each run as its users run it under the
 zero-code launcher at its default settings (`python -m megatron.scan launch --trace-dir D --
-torchrun --nproc-per-node 4 loop.py`: windows of 2 optimizer steps out of every 5), healthy and
+torchrun --nproc-per-node 4 loop.py`: every one of the first 20 optimizer steps traced, then 2 in
+every 5), healthy and
 with one rank throttled from outside by a cgroup CPU quota (`python -m megatron.scan fault
 throttle`, applied as soon as the rank's process exists), each --repeat times, round-robin. Per
 loop and scenario: the job's slowdown against the loop's healthy runs, runs in which the faulty

@@ -207,6 +207,54 @@ def span_cost_us(repeat: int = 50_000) -> float:
     return best
 
 
+def layer_scope_cost_us(repeat: int = 2_000, layers: int = 4) -> float:
+    """CPU cost of `--trace-granularity full` per layer call (its forward and its backward scope:
+    the module hooks, the gradient hooks and two recorded spans), in µs: a stack of tiny layers run
+    forward and backward with the scopes attached inside a traced window, against the same without
+    (best of 3). Direct, because on a busy host whole runs cannot resolve it."""
+    import torch
+
+    from megatron.scan.layers import LayerScopes
+    from megatron.scan.timers import HostTimer
+    from megatron.scan.trace_format import TraceWriter, header_fields
+    from megatron.scan.tracer import Tracer, WindowSchedule
+
+    class Layer(torch.nn.Module):
+        def __init__(self, number: int) -> None:
+            super().__init__()
+            self.layer_number = number
+            self.self_attention = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.self_attention(x)
+
+    stack = torch.nn.Sequential(*[Layer(i + 1) for i in range(layers)])
+    x = torch.ones(2, 4, requires_grad=True)
+
+    def run() -> float:
+        started = time.perf_counter()
+        for _ in range(repeat):
+            stack(x).sum().backward()
+        return time.perf_counter() - started
+
+    with tempfile.TemporaryDirectory() as directory:
+        header = header_fields(rank=0, world_size=1, run_id="bench", coordinates={}, sizes={})
+        tracer = Tracer(writer=TraceWriter(Path(directory) / "t.json", header), timer=HostTimer(),
+                        schedule=WindowSchedule(1, 1))
+        scopes = LayerScopes(tracer, list(stack))
+        best = float("inf")
+        for _ in range(3):
+            bare = run()
+            tracer.begin_iteration(0)
+            scopes.attach()
+            traced = run()
+            scopes.detach()
+            tracer.events.clear()
+            best = min(best, (traced - bare) / (repeat * layers) * 1e6)
+        tracer.close({})
+    return best
+
+
 def observer_costs_us(repeat: int = 50_000) -> dict[str, float]:
     """CPU cost (µs) of one observation by the watchdog and by the metrics exporter: the larger of
     a finished span and a finished collective, beyond the spine's own no-op call (best of 3)."""
@@ -418,7 +466,18 @@ def main() -> int:
                         help="off-vs-on: run the two runs of each pair at the same time, each on its own cores "
                              "(needs 2 cores per rank; the traced run swaps cores every pair), so that changes "
                              "of the host's speed reach both alike")
+    parser.add_argument("--layer-cost", metavar="LAYER_CALLS:ITERATION_MS", default=None,
+                        help="only print the CPU cost of the per-layer scopes of --trace-granularity full per "
+                             "layer call (forward and backward), timed directly, and what LAYER_CALLS calls per "
+                             "iteration (layers per stage x microbatches) cost an ITERATION_MS iteration")
     args = parser.parse_args()
+    if args.layer_cost:
+        calls, iteration_ms = (float(v) for v in args.layer_cost.split(":"))
+        per_call = layer_scope_cost_us()
+        print(f"per-layer scopes: {per_call:.1f} us per layer call (forward + backward, best of 3); "
+              f"{calls:.0f} calls per {iteration_ms:.0f} ms iteration: {per_call * calls / 1e3:.3f} ms, "
+              f"{100 * per_call * calls / 1e3 / iteration_ms:.2f}% of the iteration")
+        return 0
     interleaved = args.mode == "interleaved"
     args.iters = args.iters or (400 if interleaved else 60)
     args.warmup = args.warmup if args.warmup is not None else (20 if interleaved else 10)
