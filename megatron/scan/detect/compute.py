@@ -157,9 +157,10 @@ def _layer_peers(data: DetectionInput, lonely: list[int], z_rank: float, min_slo
     """Per iteration, each rank's mean busy time per layer call against the median of the other
     ranks of its TP index (all stages); findings for the `lonely` ranks only."""
     t = data.layers
-    tp_of = {r: role.tp for r, role in data.roles.items()}
+    # MegaFBD's forward and backward instances of one coordinate do different work: never peers.
+    tp_of = {r: (role.tp, role.role) for r, role in data.roles.items()}
     findings: dict[int, ComputeFinding] = {}
-    groups: dict[int, list[int]] = {}
+    groups: dict[tuple[int, str], list[int]] = {}
     for rank in np.unique(t["rank"]).astype(int):
         groups.setdefault(tp_of[int(rank)], []).append(int(rank))
     per_rank: dict[int, tuple[np.ndarray, list[int]]] = {}
