@@ -77,6 +77,19 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def run_nodes(commands: list[list[str]], timeout: float = 240) -> list[tuple[int, str]]:
+    """Start every command at once (the nodes of one job, e.g. `torchrun --nnodes 2` launches) and
+    wait for all; (return code, output) per command. Whatever is left is killed with its children."""
+    jobs = [subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True) for command in commands]
+    try:
+        outputs = [job.communicate(timeout=timeout)[0] for job in jobs]
+    finally:
+        for job in jobs:
+            kill_tree(job.pid)
+    return [(job.returncode, output) for job, output in zip(jobs, outputs)]
+
+
 def writable_hierarchy() -> tuple[int, Path] | None:
     """(cgroup version, hierarchy) that `fault throttle` would use on this host, or None."""
     from megatron.scan.fault import cgroups, targets

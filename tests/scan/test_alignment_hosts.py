@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -192,25 +191,17 @@ def test_two_real_nodes_one_with_a_skewed_clock(tmp_path):
     this machine; node 1's files are then given another host identity and a wall clock 37 ms
     ahead. Aggregation fits one offset per host: node 0 keeps its raw clock, node 1 gets 37 ms
     back within 0.5 ms (every event within 0.5 ms of its true time), nothing gets worse."""
-    from launch import ROOT, env, free_port, kill_tree
+    from launch import free_port, run_nodes
 
-    port, trace_dir, jobs = free_port(), tmp_path / "trace", []
+    port, trace_dir = free_port(), tmp_path / "trace"
     model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
              "--micro-batch-size", "2", "--global-batch-size", "16", "--mock-data", "--vocab-size", "256",
              "--device", "cpu", "--pipeline-model-parallel-size", "2"]
-    for node in (0, 1):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                   "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                   "pretrain_gpt.py", *model, "--train-iters", "4", "--trace", "--trace-dir", str(trace_dir),
-                   "--trace-interval", "2", "--continuous-trace-iterations", "2"]
-        jobs.append(subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True))
-    try:
-        outputs = [job.communicate(timeout=240)[0] for job in jobs]
-    finally:
-        for job in jobs:
-            kill_tree(job.pid)
-    assert [job.returncode for job in jobs] == [0, 0], [output[-3000:] for output in outputs]
+    results = run_nodes([[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                          "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                          "pretrain_gpt.py", *model, "--train-iters", "4", "--trace", "--trace-dir", str(trace_dir),
+                          "--trace-interval", "2", "--continuous-trace-iterations", "2"] for node in (0, 1)])
+    assert [code for code, _ in results] == [0, 0], [output[-3000:] for _, output in results]
 
     # As written: one real host, so nothing to align.
     true = aggregate(trace_dir, None, jobs=1)

@@ -17,7 +17,7 @@ import re
 import subprocess
 import sys
 
-from launch import ROOT, env, free_port, kill_tree
+from launch import ROOT, env, free_port, kill_tree, run_nodes
 from megatron.scan.gather import TraceReceiver
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -107,21 +107,12 @@ def test_the_zero_code_launcher_gathers_too(tmp_path):
     """A plain DDP script under `python -m megatron.scan launch`, two "nodes" with their own trace
     directories: node 0's directory gets node 1's rank file, byte for byte, and aggregates."""
     port = free_port()
-    jobs = []
-    for node in (0, 1):
-        command = [sys.executable, "-m", "megatron.scan", "launch", "--trace-dir", str(tmp_path / f"node{node}"),
-                   "--trace-interval", "3", "--continuous-trace-iterations", "2", "--", sys.executable, "-m",
-                   "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-                   "--master-addr", "127.0.0.1", "--master-port", str(port),
-                   str(ROOT / "examples" / "scan" / "plain_ddp.py"), "--steps", "9"]
-        jobs.append(subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True))
-    try:
-        outputs = [job.communicate(timeout=240)[0] for job in jobs]
-    finally:
-        for job in jobs:
-            kill_tree(job.pid)
-    assert [job.returncode for job in jobs] == [0, 0], outputs
+    results = run_nodes([[sys.executable, "-m", "megatron.scan", "launch", "--trace-dir", str(tmp_path / f"node{node}"),
+                          "--trace-interval", "3", "--continuous-trace-iterations", "2", "--", sys.executable, "-m",
+                          "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+                          "--master-addr", "127.0.0.1", "--master-port", str(port),
+                          str(ROOT / "examples" / "scan" / "plain_ddp.py"), "--steps", "9"] for node in (0, 1)])
+    assert [code for code, _ in results] == [0, 0], [output for _, output in results]
     gathered = tmp_path / "node0" / "benchmark-data-1-pipeline-0-tensor-0.json"
     assert gathered.read_bytes() == (tmp_path / "node1" / gathered.name).read_bytes()
     from megatron.scan.aggregate import aggregate
