@@ -64,7 +64,8 @@ def arrival_order(data: DetectionInput, *, z_rank: float = 3.0, min_lateness_ms:
     # by the schedule (the first stage ends its backward last in 1F1B), not by anybody's speed.
     # In every healthy PP=4 run of the default-settings benchmark, rank 0 was last at 20 of 20
     # embedding all-reduces.
-    stage = np.array([hash(data.roles[int(r)].stage) if int(r) in data.roles else 0 for r in t["rank"]],
+    stages = {role.stage: i for i, role in enumerate(data.roles.values())}
+    stage = np.array([stages[data.roles[int(r)].stage] if int(r) in data.roles else -1 for r in t["rank"]],
                      dtype=np.int64)
     instance_ids, inverse = np.unique(t["instance"], return_inverse=True)
     low = np.full(len(instance_ids), np.iinfo(np.int64).max)
@@ -83,9 +84,9 @@ def arrival_order(data: DetectionInput, *, z_rank: float = 3.0, min_lateness_ms:
     last_row = np.flatnonzero(np.append(instance[1:] != instance[:-1], True))  # latest arrival of each instance
     second = last_row - 1  # sorted by arrival within an instance, sizes >= 2
     lateness = (arrive[last_row] - arrive[second]) / 1e6
-    last_rank = np.full(len(order), -1, dtype=np.int64)  # per row: the rank that arrived last in its instance
-    last_rank[:] = np.repeat(rank[last_row], np.diff(np.concatenate([[0], last_row + 1])))
-    row_lateness = np.repeat(lateness, np.diff(np.concatenate([[0], last_row + 1])))
+    members = np.diff(np.concatenate([[0], last_row + 1]))  # rows of each instance
+    last_rank = np.repeat(rank[last_row], members)  # per row: the rank that arrived last in its instance
+    row_lateness = np.repeat(lateness, members)
     duration = _iteration_duration_ms(data)
     findings: dict[int, ArrivalFinding] = {}
     probability = 1.0 / size
