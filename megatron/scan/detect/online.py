@@ -349,6 +349,8 @@ class OnlineDetectPlugin(Plugin):
         self.confirm = args.online_detect_confirm
         self.min_slowdown = args.online_detect_min_slowdown
         trace = self.peers["scan"].config  # configured before this plugin (it is required)
+        self.interval = trace.interval  # the windows it analyses, from the tracer's typed config
+        self.continuous = trace.continuous
         self.trace_dir = str(trace.directory)
         self.granularity = trace.granularity
         self.detector: OnlineDetector | None = None
