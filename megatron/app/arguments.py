@@ -8,6 +8,7 @@ from typing import Sequence
 
 from megatron.app import megatron_lm
 from megatron.app.config import (
+    ATTENTION_BACKENDS,
     ConfigError,
     CheckpointConfig,
     DataConfig,
@@ -109,6 +110,11 @@ def build_parser(plugins: Sequence = ()) -> argparse.ArgumentParser:
                    help="bit-reproducible runs on CUDA: deterministic kernels only (torch.use_deterministic_algorithms, "
                         "CUBLAS_WORKSPACE_CONFIG, megatron-core's deterministic embedding, NCCL_ALGO=Ring unless set); "
                         "slower. CPU runs are deterministic without it")
+    g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS),
+                   help="core attention kernel: flash or fused = torch's scaled_dot_product_attention (flash "
+                        "kernel on CUDA with bf16/fp16, causal without reading the mask unless "
+                        "--reset-attention-mask); unfused or local = megatron-core's DotProductAttention; "
+                        "auto = the first on CUDA, the second on CPU (default %(default)s)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"],
                    help="where to train: auto = cuda when torch sees a GPU, else cpu; also picks the process-group "
                         "backend (cuda: nccl, cpu: gloo) (default %(default)s)")
@@ -246,7 +252,7 @@ _DERIVED: dict[type, tuple[str, ...]] = {
     # pipeline_layer_split: from --pipeline-layer-split or Megatron-LM's --decoder-first/last-pipeline-num-layers
     ParallelConfig: ("world_size", "pipeline_layer_split"),
     ModelConfig: ("max_position_embeddings", "vocab_size", "num_query_groups", "add_bias_linear",
-                  "recompute_granularity"),
+                  "recompute_granularity", "cuda"),
     OptimizerConfig: ("lr_warmup_iters", "lr_decay_iters"),
     TrainingConfig: ("train_iters",),
     CheckpointConfig: (),
@@ -295,6 +301,7 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         add_bias_linear=not args.disable_bias_linear,
         recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
+        cuda=_trains_on_cuda(args.device),
     )
     return RunConfig(
         parallel=_section(ParallelConfig, args, world_size=world_size, pipeline_layer_split=_layer_split(args)),
@@ -311,6 +318,16 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
                       create_attention_mask=args.reset_attention_mask),  # the mask is what gets reset
         args=args,
     )
+
+
+def _trains_on_cuda(device: str) -> bool:
+    """--device resolved as the trainer resolves it (device.resolve_device, which also refuses cuda
+    without a GPU): auto is cuda when torch sees a GPU."""
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device == "cuda"
 
 
 def _layer_split(args: argparse.Namespace) -> list[int] | None:

@@ -8,6 +8,12 @@ import argparse
 from dataclasses import dataclass, field
 
 
+# --attention-backend (Megatron-LM's choices): flash and fused run torch's scaled_dot_product_attention
+# (megatron/app/attention.py), unfused and local megatron-core's DotProductAttention, auto the first on
+# CUDA and the second on CPU.
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+
+
 class ConfigError(ValueError):
     """The launch configuration cannot work; the message lists every problem found."""
 
@@ -163,6 +169,13 @@ class ModelConfig:
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    # The core attention kernel (Megatron-LM's --attention-backend): it changes speed, and results
+    # only within rounding. `auto` follows `cuda`; see megatron/app/attention.py.
+    attention_backend: str = "auto"
+    cuda: bool = False  # derived: the run trains on CUDA (--device cuda, or auto with a GPU)
+    # --reset-attention-mask: the attention mask differs per sample (documents); without it the
+    # model is only ever given the plain causal mask, which the SDPA attention then does not read.
+    reset_attention_mask: bool = False
 
     @property
     def params_dtype(self):
@@ -170,6 +183,12 @@ class ModelConfig:
         import torch
 
         return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+    @property
+    def sdpa_attention(self) -> bool:
+        """The core attention is torch's scaled_dot_product_attention (megatron/app/attention.py):
+        --attention-backend flash or fused, or auto on CUDA; else megatron-core's DotProductAttention."""
+        return self.attention_backend in ("flash", "fused") or (self.attention_backend == "auto" and self.cuda)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -344,6 +363,8 @@ def validate(cfg: RunConfig) -> None:
             f"seq_length({m.seq_length}) > max_position_embeddings({m.max_position_embeddings}); "
             "raise --max-position-embeddings"
         )
+    if m.attention_backend not in ATTENTION_BACKENDS:
+        problems.append(f"--attention-backend {m.attention_backend}: use one of {', '.join(ATTENTION_BACKENDS)}")
     if m.transformer_impl != "local":
         problems.append(
             f"--transformer-impl {m.transformer_impl} needs Transformer Engine, which this trainer does not use "

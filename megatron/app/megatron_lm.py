@@ -29,13 +29,13 @@ def _value(**kwargs) -> dict:
 # Picks a kernel, a memory/communication optimisation or a logging detail; the result of training
 # is the same without it.
 NOT_USED: tuple[Flag, ...] = (
-    Flag("--attention-backend", "picks the attention kernel (flash/fused/unfused/local/auto); megatron-core's "
-         "local attention runs here", _value(choices=["flash", "fused", "unfused", "local", "auto"])),
-    Flag("--use-flash-attn", "selects FlashAttention"),
+    Flag("--use-flash-attn", "selects FlashAttention (Megatron-LM's older flag); here --attention-backend "
+         "flash picks torch's scaled_dot_product_attention"),
     Flag("--no-masked-softmax-fusion", "turns off a fused softmax kernel; none is used here"),
-    Flag("--no-bias-gelu-fusion", "turns off a fused bias+GeLU kernel; none is used here"),
-    Flag("--no-bias-swiglu-fusion", "turns off a fused bias+SwiGLU kernel; none is used here"),
-    Flag("--no-bias-dropout-fusion", "turns off a fused bias+dropout kernel; none is used here"),
+    Flag("--no-bias-gelu-fusion", "turns off megatron-core's compiled bias+GeLU fusion; it is off here (on an "
+         "H200 it made short runs slower)"),
+    Flag("--no-bias-swiglu-fusion", "turns off megatron-core's compiled bias+SwiGLU fusion; it is off here"),
+    Flag("--no-bias-dropout-fusion", "turns off megatron-core's compiled bias+dropout+add fusion; it is off here"),
     Flag("--no-rope-fusion", "turns off the fused RoPE kernel; none is used here"),
     Flag("--no-gradient-accumulation-fusion", "turns off fused weight-gradient accumulation; none is used here"),
     Flag("--no-persist-layer-norm", "turns off the persistent LayerNorm kernel; none is used here"),

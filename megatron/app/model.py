@@ -63,6 +63,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, num_chunks:
         fp16=model.fp16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
+        # megatron-core's compiled bias fusions stay off: on an H200 (torch 2.11) they made short runs
+        # slower (docs/trainer.md), and CPU runs keep the plain ops' numerics.
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
@@ -158,12 +160,21 @@ def _stage_bound_layout_class():
 
 
 def layer_spec(model_cfg: ModelConfig, config=None, vp_stage: int | None = None):
-    """megatron-core's local (no Transformer Engine) transformer layer, with RMSNorm when asked.
+    """megatron-core's local (no Transformer Engine) transformer layer, with RMSNorm when asked and
+    the SDPA core attention when --attention-backend picks it (ModelConfig.sdpa_attention).
     With --apply-layernorm-1p every norm, the final one included, is a `ZeroCenteredNorm`, so the
     spec is a whole block's (this stage's layers: needs the TransformerConfig and vp stage)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(normalization=model_cfg.normalization)
+    if model_cfg.sdpa_attention:
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from megatron.app.attention import SDPAttention
+
+        # Without --reset-attention-mask the trainer passes only the plain causal mask.
+        spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+            module=SDPAttention, params={"plain_causal_mask": not model_cfg.reset_attention_mask})
     if not model_cfg.apply_layernorm_1p:
         return spec
     from megatron.core.transformer.spec_utils import ModuleSpec

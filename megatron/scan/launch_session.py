@@ -283,6 +283,7 @@ class LaunchSession:
         if self._layout_known:
             return
         self._layout_known = True
+        self._time_schedule_on(_model_device(args, kwargs))
         try:
             from megatron.core import parallel_state as ps
 
@@ -298,13 +299,31 @@ class LaunchSession:
             microbatches = kwargs.get("num_microbatches", args[3] if len(args) > 3 else 1)
             writer = self.tracer.writer
             trace = {**writer.header.get("trace", {}), "granularity": "megatron-core"}
+            timing = {"timing": "cuda-events+host-monotonic"} if self.spans is not None and self.spans.device_timed else {}
             path = self.directory / trace_file_name(coordinates["dp"], coordinates["pp"], coordinates["tp"])
             if not writer.update_header({"coordinates": coordinates, "sizes": sizes, "trace": trace,
-                                         "num_microbatches": int(microbatches)}, path):
+                                         "num_microbatches": int(microbatches), **timing}, path):
                 print("[megascan] megatron-core's layout was found after the first traced window was written; "
                       "the trace keeps every rank as a data-parallel replica", file=sys.stderr, flush=True)
         except Exception as exc:  # a tracing failure must not fail the job
             print(f"[megascan] megatron-core layout not recorded: {exc!r}", file=sys.stderr, flush=True)
+
+    def _time_schedule_on(self, device) -> None:
+        """A model on a GPU: the schedule's forward/backward spans (and the optimizer step) are timed
+        by CUDA events on the current stream, as the trainer's are; collectives and P2P keep the host
+        clock they were installed with. Read at the schedule's first forward, when the program has
+        picked its device (whether it called set_device before init_process_group or after)."""
+        if device is None or device.type != "cuda" or self.spans is None or self.spans.device_timed:
+            return
+        from megatron.scan.trace_format import FLAG_DEVICE_TIME
+
+        try:
+            self.spans._use_device_clock(device)
+        except Exception as exc:  # noqa: BLE001 - a tracing failure must not fail the job
+            print(f"[megascan] forward/backward stay on the host clock: {exc!r}", file=sys.stderr, flush=True)
+            return
+        tracer = self.tracer
+        tracer.mark, tracer.device_flag = tracer.timer.mark, FLAG_DEVICE_TIME
 
     # --- DDP ------------------------------------------------------------------------------
     def async_collective(self, op: str, tensor, group, issue):
@@ -353,3 +372,14 @@ class LaunchSession:
             self.metrics.close()
         if self.crash is not None:
             self.crash.uninstall()
+
+
+def _model_device(args: tuple, kwargs: dict):
+    """The device of the model megatron-core's `forward_step(forward_step_func, data_iterator, model,
+    ...)` runs (None where it cannot be read)."""
+    model = kwargs.get("model", args[2] if len(args) > 2 else None)
+    try:
+        first = next(iter(model.parameters()), None) if model is not None else None
+    except Exception:  # noqa: BLE001 - not a module: no device to read
+        return None
+    return None if first is None else first.device

@@ -49,7 +49,7 @@ def test_gpt_command_line_fp16_save_and_resume(demo_corpus, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "warning: no checkpoint to load in --load" in out  # the first run of a save/load script
-    assert "--attention-backend (picks the attention kernel" in out and "--distributed-backend" in out
+    assert "--no-ckpt-fully-parallel-save (distributed checkpoint" in out and "--distributed-backend" in out
     steps = [(int(i), float(scale), int(skipped)) for i, scale, skipped in SKIPPED.findall(out)]
     assert [i for i, _, _ in steps] == list(range(1, 25))
     # Dynamic loss scaling from 2^32: overflowing steps are skipped and halve the scale (the first

@@ -246,3 +246,41 @@ def test_a_cuda_model_switches_the_compute_spans_to_device_time(spans, monkeypat
     torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.randn(2, 4)).sum().backward()
     assert [e[11] for e in tracer.events if e[0] in ("forward", "backward")] == [FLAG_DEVICE_TIME] * 2
+
+
+def test_megatron_core_schedule_spans_take_device_time_when_the_model_is_on_cuda(spans, monkeypatch):
+    """A megatron-core program (Megatron-LM's pretrain_gpt.py) under launch: its schedule's spans go
+    through the tracer, so at the schedule's first forward a model on CUDA moves the tracer's span
+    clock to CUDA events (stand-in timer here), while collectives keep the host clock."""
+    from types import SimpleNamespace
+
+    import megatron.scan.timers as timers
+    from megatron.scan.launch_session import LaunchSession, _model_device
+    from megatron.scan.trace_format import FLAG_DEVICE_TIME
+
+    class FakeCudaTimer(timers.HostTimer):
+        device_timed = True
+
+        def window_start(self) -> None:
+            pass
+
+    monkeypatch.setattr(timers, "build_timer", lambda kind, device=None: FakeCudaTimer())
+    tracer = spans.tracer
+    tracer.timer = timers.HostTimer()
+    tracer.mark, tracer.device_flag = tracer.timer.mark, 0
+    session = LaunchSession.__new__(LaunchSession)
+    session.spans, session.tracer = spans, tracer
+
+    cpu_model = torch.nn.Linear(2, 2)
+    assert _model_device(("step", iter(()), cpu_model), {}) == torch.device("cpu")
+    session._time_schedule_on(_model_device(("step", iter(()), cpu_model), {}))
+    assert tracer.device_flag == 0 and not spans.device_timed  # a CPU job keeps the host clock
+
+    class CudaModel:  # what forward_step's `model` argument is on a GPU rank
+        def parameters(self):
+            return iter([SimpleNamespace(device=torch.device("cuda", 0))])
+
+    session._time_schedule_on(_model_device((), {"model": CudaModel()}))
+    assert spans.device_timed and isinstance(tracer.timer, FakeCudaTimer)
+    assert tracer.mark == tracer.timer.mark and tracer.device_flag == FLAG_DEVICE_TIME
+    assert _model_device((), {"model": object()}) is None  # nothing to read: no switch, no error
