@@ -65,6 +65,25 @@ class Clock:
         return (self.end - self.start) * 1e3
 
 
+def attempt_store(rank: int, world_size: int, timeout: timedelta):
+    """The rendezvous store of this torchrun attempt, or None outside torchrun (env:// then).
+
+    torchrun's agent keeps one TCPStore for the whole job, and its workers connect to it without a
+    prefix per restart, so after `--max-restarts` the keys every process group publishes (each
+    rank's address) are still there from the attempt that died: a restarted rank that reads its
+    peer's key before the peer rewrote it connects to the dead worker's old port (`Gloo
+    connectFullMesh failed ... Connection refused`) or waits on it. Every group of an attempt is
+    therefore built on a store prefixed by TORCHELASTIC_RESTART_COUNT, which torchrun gives each
+    attempt's workers (all of them restart together)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_store, timeout=timeout, multi_tenant=not agent_store)
+    return dist.PrefixStore(f"megatron-app/attempt-{attempt}", store)
+
+
 class DeviceBackend:
     """Interface both devices implement. The trainer calls only these methods."""
 
@@ -84,11 +103,13 @@ class DeviceBackend:
             # A plain `python pretrain_gpt.py` (no torchrun) runs as a single rank.
             os.environ["MASTER_ADDR"] = "127.0.0.1"
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=self.dist_backend,
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timeout,
+            store=attempt_store(rank, world_size, timeout),
             **self._init_kwargs(),
         )
 

@@ -68,7 +68,8 @@ class HookRecorder(Plugin):
 
 @register_plugin
 class RankKiller(Plugin):
-    """`--kill-rank RANK:ITER`: SIGKILLs one rank at the start of an iteration (a crashed GPU host)."""
+    """`--kill-rank RANK:ITER`: SIGKILLs one rank at the start of an iteration (a crashed GPU host),
+    in the job's first attempt only (torchrun's restarts, TORCHELASTIC_RESTART_COUNT > 0, run on)."""
 
     name = "rank_killer"
 
@@ -83,5 +84,6 @@ class RankKiller(Plugin):
         self.rank, self.iteration = int(rank), int(iteration)
 
     def before_iteration(self, ctx, iteration):
-        if ctx.rank == self.rank and iteration == self.iteration:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if ctx.rank == self.rank and iteration == self.iteration and first_attempt:
             os.kill(os.getpid(), signal.SIGKILL)
