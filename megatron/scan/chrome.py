@@ -53,6 +53,7 @@ def write_chrome_trace(trace: GlobalTrace, collectives: Collectives, p2p: P2PLin
         counts["events"] = _complete_events(trace, collectives, p2p, base, emit, step)
         counts["flows"] = _flows(trace, collectives, p2p, base, emit, step)
         counts["counters"] = _microbatch_counters(trace, base, emit)
+        counts["restarts"] = _restart_markers(trace, base, emit)
         step.set(total)
         out.write("\n],\n")
         tail = {"displayTimeUnit": "ms",
@@ -89,6 +90,22 @@ def _microbatch_counters(trace: GlobalTrace, base: int, emit) -> int:
                 emit({"ph": "C", "name": "microbatches", "pid": rank, "ts": float(_us(start - base)),
                       "args": {"microbatches": record["microbatches"]}})
                 emitted += 1
+    return emitted
+
+
+def _restart_markers(trace: GlobalTrace, base: int, emit) -> int:
+    """Where torchrun restarted the job (`--max-restarts`): a marker on each rank's track at the
+    restarted process's start, naming the attempt and the iteration it resumed from."""
+    emitted = 0
+    for rank, header in sorted(trace.ranks.items()):
+        for restart in header.get("restarts") or []:
+            if restart.get("wall_ns") is None:
+                continue
+            emit({"ph": "i", "s": "p", "name": f"torchrun restart: attempt {restart.get('attempt')}, resumed at "
+                                                f"iteration {restart.get('start_iteration')}",
+                  "pid": rank, "tid": 1, "ts": float(_us(int(restart["wall_ns"]) - base)),
+                  "args": {k: v for k, v in restart.items() if k != "path"}})
+            emitted += 1
     return emitted
 
 

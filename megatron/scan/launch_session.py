@@ -300,7 +300,8 @@ class LaunchSession:
             writer = self.tracer.writer
             trace = {**writer.header.get("trace", {}), "granularity": "megatron-core"}
             timing = {"timing": "cuda-events+host-monotonic"} if self.spans is not None and self.spans.device_timed else {}
-            path = self.directory / trace_file_name(coordinates["dp"], coordinates["pp"], coordinates["tp"])
+            path = self.directory / trace_file_name(coordinates["dp"], coordinates["pp"], coordinates["tp"],
+                                                    attempt=writer.header.get("attempt", 0))
             if not writer.update_header({"coordinates": coordinates, "sizes": sizes, "trace": trace,
                                          "num_microbatches": int(microbatches), **timing}, path):
                 print("[megascan] megatron-core's layout was found after the first traced window was written; "

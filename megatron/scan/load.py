@@ -105,12 +105,20 @@ def load_directory(directory: str | os.PathLike, *, jobs: int | None = None, run
                             for rid, fs in sorted(runs.items()))
         raise AggregateError(f"{directory} mixes trace files of {len(runs)} different runs:\n{listing}\n"
                              f"pick one with --run-id, or give each run its own --trace-dir")
-    by_rank: dict[int, RankFile] = {}
+    attempts: dict[int, dict[int, RankFile]] = collections.defaultdict(dict)
     for f in sorted(files, key=lambda f: f.path):
-        if f.rank in by_rank:
-            warnings.append(f"rank {f.rank} appears in both {by_rank[f.rank].path} and {f.path}; using the first")
+        attempt = int(f.header.get("attempt", 0) or 0)
+        earlier = attempts[f.rank].get(attempt)
+        if earlier is not None:
+            warnings.append(f"rank {f.rank} appears in both {earlier.path} and {f.path}; using the first")
             continue
-        by_rank[f.rank] = f
+        attempts[f.rank][attempt] = f
+    by_rank: dict[int, RankFile] = {}
+    for rank, of_rank in attempts.items():
+        ordered = [of_rank[a] for a in sorted(of_rank)]
+        by_rank[rank] = ordered[0] if len(ordered) == 1 else join_attempts(ordered, warnings)
+    if any(len(of_rank) > 1 for of_rank in attempts.values()):
+        by_rank = _common_windows(by_rank)
     world_size = int(next(iter(by_rank.values())).header["world_size"])
     missing = sorted(set(range(world_size)) - set(by_rank))
     if missing:
@@ -125,6 +133,91 @@ def load_directory(directory: str | os.PathLike, *, jobs: int | None = None, run
     trace.warnings = warnings + trace.warnings
     trace.run_id = next(iter(by_rank.values())).header["run_id"]
     return trace
+
+
+ATTEMPT_SEQ_SHIFT = 32  # a restarted attempt's sequence numbers follow every earlier attempt's (the matcher keeps 40 bits)
+
+
+def join_attempts(files: list[RankFile], warnings: list[str] | None = None) -> RankFile:
+    """One rank's files of successive torchrun attempts (restarts, `--max-restarts`) as one file:
+    each attempt's iterations from the one its successor resumed at (loaded from the checkpoint)
+    were rolled back, so they are dropped and the successor's kept. The header is the first
+    attempt's with `restarts` listing each restart (attempt, iteration resumed at, wall time)."""
+    names: dict[str, int] = {}
+    groups: dict[tuple, int] = {}
+    parts: dict[str, list[np.ndarray]] = collections.defaultdict(list)
+    windows: list[dict[str, Any]] = []
+    restarts: list[dict[str, Any]] = []
+    for k, f in enumerate(files):
+        until = int(files[k + 1].header.get("start_iteration", 0)) if k + 1 < len(files) else None
+        c = f.columns
+        window_map = np.full(len(f.windows) + 1, -1, dtype=np.int64)
+        for index, window in enumerate(f.windows):
+            first, last = window["iterations"]
+            if until is not None and first >= until:
+                continue
+            if until is not None and last >= until:
+                window = {**window, "iterations": [first, until - 1]}
+            window = {**window, "attempt": int(f.header.get("attempt", k) or 0)}
+            window_map[index] = len(windows)
+            windows.append(window)
+        keep = window_map[c["window"]] >= 0
+        if until is not None:
+            keep &= c["iteration"] < until
+            dropped = sorted(set(c["iteration"][~keep].tolist()) - {-1})
+            if dropped and warnings is not None:
+                warnings.append(f"rank {f.rank}: torchrun restarted the job from iteration {until}; iterations "
+                                f"{_ranges(dropped)} of attempt {f.header.get('attempt', 0)} were rolled back "
+                                f"(not kept by the model) and are left out")
+        if k:
+            restarts.append({"attempt": f.header.get("attempt", k), "start_iteration": f.header.get("start_iteration"),
+                             "wall_ns": f.header.get("clock_reference", {}).get("wall_ns"), "pid": f.header.get("pid"),
+                             "path": f.path})
+        name_map = np.array([names.setdefault(n, len(names)) for n in f.names] + [-1], dtype=np.int64)
+        group_map = np.array([groups.setdefault((g["name"], tuple(g["ranks"]), g["desc"]), len(groups))
+                              for g in f.groups] + [-1], dtype=np.int64)
+        for column, values in c.items():
+            kept = values[keep]
+            if column in ("name", "dtype"):
+                kept = name_map[kept]
+            elif column == "group":
+                kept = group_map[kept]
+            elif column == "window":
+                kept = window_map[kept]
+            elif column == "seq" and k:  # each attempt numbers its collectives and messages from 0 again
+                kept = np.where(kept >= 0, kept + (int(f.header.get("attempt", k) or k) << ATTEMPT_SEQ_SHIFT), kept)
+            parts[column].append(kept)
+    columns = {column: np.concatenate(arrays) for column, arrays in parts.items()}
+    group_list = [None] * len(groups)
+    for (name, ranks, desc), index in groups.items():
+        group_list[index] = {"name": name, "ranks": list(ranks), "desc": desc}
+    last = files[-1]
+    return RankFile(path=last.path, header={**files[0].header, "restarts": restarts}, windows=windows,
+                    names=list(names), groups=group_list, columns=columns, ended=last.ended,
+                    warnings=[w for f in files for w in f.warnings])
+
+
+def _common_windows(by_rank: dict[int, RankFile]) -> dict[int, RankFile]:
+    """Window indices that mean the same window on every rank once attempts are joined (alignment
+    fits one clock correction per window index): a window one rank lacks (the window in progress
+    when a rank was killed is torn) becomes an empty one there, with the others' iterations."""
+    def key(rank_file: RankFile, meta: dict) -> tuple[int, int]:
+        return int(meta.get("attempt", rank_file.header.get("attempt", 0) or 0)), int(meta["window"])
+
+    known: dict[tuple[int, int], dict] = {}
+    for f in by_rank.values():
+        for meta in f.windows:
+            known.setdefault(key(f, meta), meta)
+    order = {k: index for index, k in enumerate(sorted(known))}
+    result = {}
+    for rank, f in by_rank.items():
+        own = {key(f, meta): meta for meta in f.windows}
+        windows = [own.get(k) or {**known[k], "metrics": [], "dropped": 0, "empty": True} for k in sorted(known)]
+        window_map = np.array([order[key(f, meta)] for meta in f.windows] + [-1], dtype=np.int64)
+        columns = {**f.columns, "window": window_map[f.columns["window"]]}
+        result[rank] = RankFile(path=f.path, header=f.header, windows=windows, names=f.names, groups=f.groups,
+                                columns=columns, ended=f.ended, warnings=f.warnings)
+    return result
 
 
 def _check_iterations(by_rank: dict[int, RankFile], warnings: list[str]) -> None:

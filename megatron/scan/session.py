@@ -212,10 +212,23 @@ def start_trace(config: TraceConfig, *, rank: int, world_size: int, run_id: str,
     import torch.distributed as dist
 
     from megatron.scan.control import CaptureSchedule, ControlExchange
-    from megatron.scan.trace_format import ClockSkew, TraceWriter, header_fields, trace_file_name
+    from megatron.scan.trace_format import (
+        ClockSkew,
+        TraceWriter,
+        earlier_attempt_run_id,
+        elastic_identity,
+        header_fields,
+        restart_attempt,
+        trace_file_name,
+    )
     from megatron.scan.tracer import Tracer, WindowSchedule
 
     joined = dist.get_world_size() if dist.is_initialized() else 1
+    # A torchrun restart (--max-restarts) continues the same run: rank 0 proposes the run id the
+    # earlier attempt wrote, and this attempt's files carry its number (the loader joins them).
+    attempt, elastic = restart_attempt(), elastic_identity()
+    if attempt and elastic and rank == 0:
+        run_id = earlier_attempt_run_id(config.directory, elastic, attempt) or run_id
     # A gloo side group for MegaScan's own exchanges (the run id now, capture decisions later),
     # created by every rank alike, so that they never queue behind the program's NCCL work.
     side = dist.new_group(backend="gloo") if joined > 1 else None
@@ -226,7 +239,7 @@ def start_trace(config: TraceConfig, *, rank: int, world_size: int, run_id: str,
     dense_until = start_iteration + config.dense
     header = header_fields(
         rank=rank, world_size=world_size, run_id=run_id, coordinates=coordinates, sizes=sizes,
-        extra={**(extra or {}), "start_iteration": start_iteration,
+        extra={**(extra or {}), "start_iteration": start_iteration, "attempt": attempt, "elastic_id": elastic,
                "trace": {"interval": config.interval, "continuous": config.continuous,
                          "granularity": granularity or config.granularity, "dense_until": dense_until}})
     skew = None
@@ -234,7 +247,8 @@ def start_trace(config: TraceConfig, *, rank: int, world_size: int, run_id: str,
         offset_ms, drift_ppm = config.clock_skews[rank]
         skew = ClockSkew(offset_ns=int(offset_ms * 1e6), drift=drift_ppm * 1e-6,
                          reference_ns=header["clock_reference"]["monotonic_ns"])
-    path = config.directory / trace_file_name(coordinates["dp"], coordinates["pp"], coordinates["tp"], role or None)
+    path = config.directory / trace_file_name(coordinates["dp"], coordinates["pp"], coordinates["tp"], role or None,
+                                              attempt)
     writer = TraceWriter(path, header, skew=skew)
     gathering = None
     if config.gather:  # nodes without a shared file system: the others' files stream to rank 0's directory

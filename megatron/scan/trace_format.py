@@ -37,11 +37,45 @@ class TraceFormatError(ValueError):
     """A trace file cannot be read; the message names the file and what is wrong."""
 
 
-def trace_file_name(dp: int, pp: int, tp: int, virtual: str | None = None) -> str:
+def trace_file_name(dp: int, pp: int, tp: int, virtual: str | None = None, attempt: int = 0) -> str:
     """`benchmark-data-{dp}-pipeline-{pp}-tensor-{tp}.json` (the seed's naming, kept for its tools);
-    `virtual` distinguishes several roles played by one physical rank (FBD)."""
-    suffix = f"-{virtual}" if virtual else ""
+    `virtual` distinguishes several roles played by one physical rank (FBD); `attempt` > 0 is a
+    torchrun restart of the job (`-attempt{N}`), whose file the loader joins to the earlier ones."""
+    suffix = (f"-{virtual}" if virtual else "") + (f"-attempt{attempt}" if attempt else "")
     return f"benchmark-data-{dp}-pipeline-{pp}-tensor-{tp}{suffix}.json"
+
+
+def restart_attempt(environ=os.environ) -> int:
+    """Which torchrun attempt of the job this process belongs to (0: the first; torchrun's
+    --max-restarts counts the others in TORCHELASTIC_RESTART_COUNT)."""
+    try:
+        return max(0, int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    except ValueError:
+        return 0
+
+
+def elastic_identity(environ=os.environ) -> str | None:
+    """What every attempt of one torchrun job shares (its rendezvous id and store address)."""
+    if "TORCHELASTIC_RUN_ID" not in environ:
+        return None
+    return f"{environ['TORCHELASTIC_RUN_ID']}@{environ.get('MASTER_ADDR', '')}:{environ.get('MASTER_PORT', '')}"
+
+
+def earlier_attempt_run_id(directory: str | os.PathLike, elastic_id: str, attempt: int) -> str | None:
+    """The run id an earlier attempt of the same torchrun job wrote into `directory` (its latest
+    attempt's), so a restarted job's trace joins the same run; None if there is none."""
+    best: tuple[int, str] | None = None
+    for path in iter_trace_files(directory):
+        try:
+            with open(path, "rb") as f:
+                header = json.loads(f.readline())
+        except (OSError, ValueError):
+            continue
+        earlier = header.get("attempt", 0) if isinstance(header, dict) else None
+        if (isinstance(earlier, int) and earlier < attempt and header.get("elastic_id") == elastic_id
+                and (best is None or earlier > best[0])):
+            best = (earlier, str(header.get("run_id")))
+    return None if best is None else best[1]
 
 
 def clock_pair() -> dict[str, int]:

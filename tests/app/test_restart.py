@@ -39,3 +39,34 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_curve_continues_exactly(
         before, after, expected)
     assert not re.search(r"connectFullMesh failed", proc.stderr)
     assert (tmp_path / "killed" / "latest_checkpointed_iteration.txt").read_text().strip() == "16"
+
+
+def test_a_traced_restart_is_one_run_with_the_rolled_back_iterations_left_out(tmp_path):
+    """MegaScan across the restart: the restarted attempt's files join the first attempt's run (one
+    run id, one merged trace), the iterations the restart rolled back are left out so each iteration
+    is there once, collectives of both attempts match, the restart is marked, and no hang is reported."""
+    import numpy as np
+
+    from megatron.scan.aggregate import aggregate
+    from megatron.scan.load import load_directory
+
+    trace = tmp_path / "trace"
+    proc = torchrun("pretrain_gpt.py", _job(tmp_path, "ckpt", ["--kill-rank", "3:12", "--trace", "--trace-dir",
+                                                               str(trace)]),
+                    nproc=4, timeout=300, extra_env=PLUGINS, torchrun_args=["--max-restarts", "1", "--monitor-interval",
+                                                                             "1"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    names = sorted(p.name for p in trace.glob("benchmark-data-*.json"))
+    assert len(names) == 8 and sum(n.endswith("-attempt1.json") for n in names) == 4, names
+    loaded = load_directory(trace)
+    assert len(loaded.ranks) == 4
+    iterations = loaded.columns["iteration"][loaded.columns["name"] == loaded.name_id("iteration")]
+    ranks = loaded.columns["rank"][loaded.columns["name"] == loaded.name_id("iteration")]
+    for rank in range(4):  # 16 iterations, each once: 10-12 of the first attempt were rolled back
+        assert sorted(iterations[ranks == rank].tolist()) == list(range(16)), rank
+    assert all(h["restarts"][0]["start_iteration"] == 10 for h in loaded.ranks.values())
+    assert any("rolled back" in w for w in loaded.warnings)
+    result = aggregate(trace, trace / "merged.json")
+    assert len(result.collectives) and not np.any(result.collectives.members < result.collectives.expected)
+    assert (trace / "merged.json").read_text().count("torchrun restart: attempt 1, resumed at iteration 10") == 4
+    assert not list(trace.glob("hang-*"))
