@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Sequence
@@ -66,22 +67,47 @@ class Clock:
 
 
 def attempt_store(rank: int, world_size: int, timeout: timedelta):
-    """The rendezvous store of this torchrun attempt, or None outside torchrun (env:// then).
+    """A store of this attempt's own for the process groups under torchrun, or None (env:// then).
 
-    torchrun's agent keeps one TCPStore for the whole job, and its workers connect to it without a
-    prefix per restart, so after `--max-restarts` the keys every process group publishes (each
-    rank's address) are still there from the attempt that died: a restarted rank that reads its
-    peer's key before the peer rewrote it connects to the dead worker's old port (`Gloo
-    connectFullMesh failed ... Connection refused`) or waits on it. Every group of an attempt is
-    therefore built on a store prefixed by TORCHELASTIC_RESTART_COUNT, which torchrun gives each
-    attempt's workers (all of them restart together)."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+    torchrun's agent keeps one store for the whole job and hands its workers its address; every
+    process group publishes its ranks' addresses there under the same keys in every attempt. After a
+    `--max-restarts` restart those keys still hold the dead attempt's addresses, and a restarted rank
+    that reads one before its peer rewrote it connects to a dead worker's port (`Gloo
+    connectFullMesh failed ... Connection refused`) or waits on it. Nothing the workers are given
+    tells the attempts apart reliably (TORCHELASTIC_RESTART_COUNT differs between nodes: a node
+    restarted because another failed does not count it), so rank 0 starts a store of its own and
+    publishes its address with a fresh nonce in the agent's; the other ranks take the published
+    address once a store answering with that nonce is there (an address left by a dead attempt
+    refuses the connection or answers another nonce, and they read again)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
         return None
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=rank == 0 and not agent_store, timeout=timeout, multi_tenant=not agent_store)
-    return dist.PrefixStore(f"megatron-app/attempt-{attempt}", store)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    if rank == 0:
+        own = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        nonce = uuid.uuid4().hex
+        own.set(_NONCE_KEY, nonce)
+        agent.set(_ATTEMPT_STORE_KEY, f"{own.port}:{nonce}")
+        return own
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        published = agent.get(_ATTEMPT_STORE_KEY).decode()  # waits until an attempt published one
+        own_port, nonce = published.split(":")
+        try:
+            store = dist.TCPStore(host, int(own_port), world_size, is_master=False, timeout=timedelta(seconds=5))
+            if store.get(_NONCE_KEY).decode() == nonce:
+                store.set_timeout(timeout)
+                return store
+        except (RuntimeError, dist.DistStoreError):  # a dead attempt's store: read the key again
+            pass
+        if time.monotonic() > deadline:
+            raise DeviceError(f"rank {rank}: rank 0 of this torchrun attempt published no reachable store in "
+                              f"{timeout.total_seconds():g} s (last address {host}:{own_port})")
+        time.sleep(0.2)
+
+
+_ATTEMPT_STORE_KEY = "megatron-app/attempt-store"
+_NONCE_KEY = "megatron-app/attempt-nonce"
 
 
 class DeviceBackend:

@@ -70,3 +70,31 @@ def test_a_traced_restart_is_one_run_with_the_rolled_back_iterations_left_out(tm
     assert len(result.collectives) and not np.any(result.collectives.members < result.collectives.expected)
     assert (trace / "merged.json").read_text().count("torchrun restart: attempt 1, resumed at iteration 10") == 4
     assert not list(trace.glob("hang-*"))
+
+
+def test_two_nodes_restart_together_under_c10d_rendezvous(tmp_path):
+    """Two `torchrun --nnodes 2 --rdzv-backend c10d` nodes, rank 3 (node 1) killed: node 1's agent
+    counts a restart, node 0's restarts its workers because node 1 is waiting and does not, so the
+    attempts disagree on TORCHELASTIC_RESTART_COUNT; the job still resumes from the checkpoint and
+    every loss after the restart equals the uninterrupted run's."""
+    import sys
+
+    from launch import free_port, run_nodes
+
+    clean = torchrun("pretrain_gpt.py", _job(tmp_path, "clean", []), nproc=4, timeout=240)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    expected = losses(clean.stdout)
+    port = free_port()
+    results = run_nodes([["env", f"MEGATRON_APP_PLUGINS={PLUGINS['MEGATRON_APP_PLUGINS']}", sys.executable, "-m",
+                          "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "restart-test", "--max-restarts", "1",
+                          "--monitor-interval", "1", "pretrain_gpt.py",
+                          *_job(tmp_path, "nodes", ["--kill-rank", "3:12"])] for _ in range(2)], timeout=300)
+    assert [code for code, _ in results] == [0, 0], [output[-3000:] for _, output in results]
+    logged = "\n".join(output for _, output in results)
+    assert f"loaded checkpoint from {tmp_path / 'nodes'} at iteration 10" in logged
+    # The last pipeline stage (node 1) logs the losses: iterations 11 and 12 twice (before the kill and
+    # after the restart), the later line of each iteration is the one the model kept.
+    assert len(re.findall(r" iteration\s+11/", logged)) == 2
+    kept = losses(logged)
+    assert sorted(kept) == list(range(1, 17)) and all(kept[i] == expected[i] for i in kept), (kept, expected)
