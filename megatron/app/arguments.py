@@ -153,6 +153,9 @@ def build_parser(plugins: Sequence = ()) -> argparse.ArgumentParser:
                    help="resume from the latest checkpoint in DIR; a DIR without one starts from scratch")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="stop with an error when --load DIR holds no checkpoint")
+    g.add_argument("--ckpt-step", type=int, metavar="N",
+                   help="with --load: load iteration N (DIR/iter_N) instead of the latest one the tracker names; "
+                        "each file is checked against the checkpoint's checksums")
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr", "fsdp_dtensor"], default="torch",
                    help="torch: per-rank torch files, the only format written here (others are reported "
                         "at start-up and written as torch)")

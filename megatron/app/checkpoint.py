@@ -1,18 +1,28 @@
 """Checkpoints: one file per (tp, pp) rank under `iter_NNNNNNN/`, written atomically.
 
-Each rank writes its file into `iter_N.tmp/` (temp file + rename); after all ranks finished,
-global rank 0 renames the directory to `iter_N/` and then updates the tracker file. A run killed
-mid-save leaves only a `.tmp` directory, which is never loaded.
+Each rank writes its file into `iter_N.tmp/` (temp file + rename), hashing the bytes as they are
+written (sha256); the ranks then agree, through one all-gather, that every file is in. Global rank 0
+writes `manifest.json` (size and sha256 of every file) into the staging directory, renames it to
+`iter_N/` and then updates the tracker file. A run killed mid-save leaves only a `.tmp` directory,
+which is never loaded and is removed by the next save. A rank that fails to write (disk full, any
+OSError) reaches the others through the same all-gather: the staging directory is removed, the
+tracker is left alone and every rank stops with one message. Loading checks each file a rank reads
+against the manifest (checkpoints without one, written before it existed, load unverified); a
+damaged checkpoint is reported with the newest intact iteration to load with `--ckpt-step N`.
 
 A checkpoint saved with another pipeline layer split (same TP and PP sizes, same model) is
 converted while loading: `convert_rank_payload` builds the file the run would have written with its
 own split from the saved files of its TP rank, moving decoder layers and their optimizer state by
 global layer number. tools/convert_checkpoint.py writes such files for a whole checkpoint. The
-module is over 400 lines because the converter works on the file format, layout signature and
-errors defined here, and loading calls it.
+module is over 400 lines because the converter and the integrity checks (manifest, the ranks'
+agreement on a save, finding the newest intact iteration) work on the file format, layout signature
+and errors defined here, and saving and loading call them.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
 import random
 import re
@@ -31,10 +41,20 @@ from megatron.app.optimizers import Fp16Optimizer, TorchOptimizer, applies_weigh
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+# sha256: with OpenSSL's SHA extensions hashlib hashes about as fast as zlib.crc32 (~1 GB/s on this
+# project's CPUs, faster than blake2b), releases the GIL, and `sha256sum FILE` checks it by hand.
+CHECKSUM = "sha256"
+_ITERATION_DIR = re.compile(r"^iter_(\d+)$")
+_STAGING_DIR = re.compile(r"^iter_\d+\.tmp$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, torn, or does not match the launch configuration."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed on some rank; the partial checkpoint was removed and the tracker left alone."""
 
 
 def iteration_dir(root: str, iteration: int) -> Path:
@@ -47,11 +67,15 @@ def rank_file(directory: Path, tp_rank: int, pp_rank: int) -> Path:
 
 def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def rng_state() -> dict[str, Any]:
@@ -150,62 +174,352 @@ def optimizer_parameter_keys(chunks, optimizer) -> list[str] | None:
 
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, chunks, optimizer, cfg,
                     tp_rank: int, pp_rank: int, dp_rank: int) -> Path:
-    """Collective over all ranks. Returns the final directory."""
+    """Collective over all ranks. Returns the final directory; raises CheckpointSaveError on every
+    rank when any rank failed (the staging directory removed, the tracker untouched)."""
     final = iteration_dir(root, iteration)
     staging = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
+    report: dict[str, Any] = {"rank": rank, "files": {}, "error": None}
     if rank == 0:
-        if staging.exists():
-            shutil.rmtree(staging)  # a torn earlier attempt at this same iteration, made by us
-        staging.mkdir(parents=True)
-    dist.barrier()
-    if dp_rank == 0:
-        target = rank_file(staging, tp_rank, pp_rank)
-        payload = {
-            "format_version": FORMAT_VERSION,
-            "iteration": iteration,
-            "consumed_samples": consumed_samples,
-            "layout": layout_signature(cfg),
-            "model": [unwrap_model(c).state_dict() for c in chunks],
-            "optimizer": optimizer.state_dict(),
-            "optimizer_kind": optimizer_kind(optimizer),
-            "optimizer_keys": optimizer_parameter_keys(chunks, optimizer),
-            "rng": rng_state(),
-            "args": {k: v for k, v in vars(cfg.args).items() if isinstance(v, (int, float, str, bool, type(None), list))},
-            "model_config": asdict(cfg.model),
-        }
-        write_rank_file(target, payload)
-    dist.barrier()
-    if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        atomic_write_text(Path(root) / TRACKER, f"{iteration}\n")
-    dist.barrier()
+        try:
+            for stale in remove_stale_staging(root):
+                print(f"removed {stale}, left by an earlier save that did not finish", flush=True)
+            staging.mkdir(parents=True)
+            report["previous"] = _previous_checkpoint(root)
+        except OSError as exc:
+            report["error"] = _failure(rank, exc, staging)
+    reports = _all_gather(report)  # every rank waits here until the staging directory exists
+    if not any(r["error"] for r in reports):
+        if dp_rank == 0:
+            target = rank_file(staging, tp_rank, pp_rank)
+            try:
+                payload = {
+                    "format_version": FORMAT_VERSION,
+                    "iteration": iteration,
+                    "consumed_samples": consumed_samples,
+                    "layout": layout_signature(cfg),
+                    "model": [unwrap_model(c).state_dict() for c in chunks],
+                    "optimizer": optimizer.state_dict(),
+                    "optimizer_kind": optimizer_kind(optimizer),
+                    "optimizer_keys": optimizer_parameter_keys(chunks, optimizer),
+                    "rng": rng_state(),
+                    "args": {k: v for k, v in vars(cfg.args).items()
+                             if isinstance(v, (int, float, str, bool, type(None), list))},
+                    "model_config": asdict(cfg.model),
+                }
+                report["estimate"] = payload_bytes(payload)
+                report["free"] = _free_bytes(staging)
+                report["files"][target.relative_to(staging).as_posix()] = write_rank_file(target, payload)
+            except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks
+                report["error"] = _failure(rank, exc, target)
+        reports = _all_gather(report)  # the ranks agree whether every file is in
+    if not any(r["error"] for r in reports):
+        if rank == 0:
+            files = {name: entry for r in reports for name, entry in r["files"].items()}
+            created = False
+            try:
+                manifest = {"format_version": FORMAT_VERSION, "iteration": iteration, "checksum": CHECKSUM,
+                            "files": dict(sorted(files.items()))}
+                atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(staging, final)
+                created = True
+                atomic_write_text(Path(root) / TRACKER, f"{iteration}\n")
+            except OSError as exc:
+                report["error"] = _failure(rank, exc, Path(root) / TRACKER if created else staging / MANIFEST)
+                if created:  # renamed, but the tracker does not name it: not a checkpoint
+                    shutil.rmtree(final, ignore_errors=True)
+        reports = _all_gather({**report, "files": {}})  # the ranks agree whether rank 0 committed
+    failed = [r for r in reports if r["error"]]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        dist.barrier()  # the staging directory is gone before any rank exits
+        raise CheckpointSaveError(_save_failure_message(root, iteration, staging, reports, failed))
     return final
 
 
-def write_rank_file(target: Path, payload: dict) -> None:
-    """One rank's file, whole or not at all: a temp file beside it, synced, then renamed."""
+def _all_gather(obj: Any) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def remove_stale_staging(root: str) -> list[Path]:
+    """Remove the `iter_*.tmp` directories in `root` (saves that did not finish); returns them."""
+    removed = []
+    if Path(root).is_dir():
+        for entry in sorted(Path(root).iterdir()):
+            if _STAGING_DIR.match(entry.name) and entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+                removed.append(entry)
+    return removed
+
+
+def _previous_checkpoint(root: str) -> tuple[int, int] | None:
+    """(iteration, bytes) of the checkpoint the tracker names, or None."""
+    try:
+        iteration = find_latest(root)
+    except CheckpointError:
+        return None
+    directory = iteration_dir(root, iteration)
+    size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()) if directory.is_dir() else 0
+    return iteration, size
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def payload_bytes(obj: Any, seen: set | None = None) -> int:
+    """The tensor bytes a payload holds (each storage once): about the size of its file."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key in seen:
+            return 0
+        seen.add(key)
+        return storage.nbytes()
+    if isinstance(obj, dict):
+        return sum(payload_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_bytes(v, seen) for v in obj)
+    return 0
+
+
+def _failure(rank: int, exc: BaseException, path: Path) -> dict[str, Any]:
+    return {"rank": rank, "path": str(path), "what": f"{type(exc).__name__}: {exc}",
+            "oserror": isinstance(exc, OSError),
+            "disk_full": isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)}
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _save_failure_message(root: str, iteration: int, staging: Path, reports: list[dict], failed: list[dict]) -> str:
+    first = failed[0]["error"]
+    errors = [r["error"] for r in failed]
+    previous = reports[0].get("previous")
+    what = "the disk is full" if any(e["disk_full"] for e in errors) else "writing failed"
+    lines = [f"saving the checkpoint of iteration {iteration} to {root} failed: {what} "
+             f"(rank {first['rank']} writing {first['path']}: {first['what']})"]
+    if len(errors) > 1:
+        lines[0] += f"; ranks {', '.join(str(e['rank']) for e in errors)} failed"
+    if any(e["oserror"] for e in errors):
+        estimate = sum(r.get("estimate", 0) for r in reports)
+        need = f"the checkpoint needs about {format_bytes(estimate)}" if estimate else "the checkpoint's size is unknown"
+        if previous:
+            need += f" (the previous one, {iteration_dir(root, previous[0]).name}, holds {format_bytes(previous[1])})"
+        frees = [r["free"] for r in reports if r.get("free") is not None]
+        free = max(frees) if frees else _free_bytes(Path(root))
+        lines.append(f"{need}; {format_bytes(free) if free is not None else 'an unknown amount'} "
+                     f"were free on the filesystem of {root} when the save started")
+    if previous:
+        resume = (f"{TRACKER} still names iteration {previous[0]}: free space (or --save to a larger "
+                  f"filesystem) and rerun the same command to resume from iteration {previous[0]}")
+    else:
+        resume = f"no checkpoint was saved in {root} before this one"
+    lines.append(f"the partial {staging.name}/ was removed; {resume}")
+    return "\n".join(lines)
+
+
+class _HashingWriter:
+    """The file object torch.save writes through (sequentially, never seeking): counts and hashes
+    the bytes, and keeps the OSError a write raised (torch.save reports it as an opaque
+    RuntimeError)."""
+
+    def __init__(self, file):
+        self.file, self.digest, self.size, self.error = file, hashlib.new(CHECKSUM), 0, None
+
+    def write(self, data) -> int:
+        try:
+            written = self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+        self.digest.update(data)
+        self.size += written
+        return written
+
+    def flush(self) -> None:
+        try:
+            self.file.flush()
+        except OSError as exc:
+            self.error = exc
+            raise
+
+
+def write_rank_file(target: Path, payload: dict) -> dict[str, Any]:
+    """One rank's file, whole or not at all: a temp file beside it, synced, then renamed. Returns
+    its manifest entry (size and checksum); raises the OSError of a failed write."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
-    torch.save(payload, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    try:
+        with open(tmp, "wb") as f:
+            sink = _HashingWriter(f)
+            try:
+                torch.save(payload, sink)
+            except RuntimeError as exc:
+                if sink.error is not None:
+                    raise sink.error from exc
+                raise
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"size": sink.size, CHECKSUM: sink.digest.hexdigest()}
+
+
+def file_checksum(path: Path) -> str:
+    digest = hashlib.new(CHECKSUM)
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_manifest(directory: Path) -> dict | None:
+    """The manifest of an iteration directory; None for a checkpoint written before manifests."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        if not isinstance(files, dict) or manifest.get("checksum", CHECKSUM) != CHECKSUM:
+            raise ValueError("no files table, or another checksum")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path} cannot be read ({exc}); the checkpoint is damaged") from exc
+    return manifest
+
+
+def file_problem(directory: Path, relative: str, entry: dict) -> str | None:
+    """What is wrong with one file of a checkpoint, checked against its manifest entry; None if intact."""
+    path = directory / relative
+    if not path.is_file():
+        return f"{path} is missing (its {MANIFEST} lists it)"
+    size = path.stat().st_size
+    if size != entry["size"]:
+        how = "truncated" if size < entry["size"] else "longer than saved"
+        return f"{path} is {how}: {size} bytes, its {MANIFEST} records {entry['size']}"
+    if file_checksum(path) != entry[CHECKSUM]:
+        return (f"{path} does not match its {CHECKSUM} checksum in {MANIFEST} (same size, different content: "
+                "a changed or flipped byte)")
+    return None
+
+
+def checkpoint_problems(directory: Path) -> list[str] | None:
+    """Every damaged file of a saved iteration (sizes first, then checksums); None if it has no manifest."""
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return None
+    problems = []
+    for relative, entry in manifest["files"].items():
+        path = directory / relative
+        if not path.is_file() or path.stat().st_size != entry["size"]:
+            problems.append(file_problem(directory, relative, entry))
+    if problems:
+        return problems
+    return [p for p in (file_problem(directory, r, e) for r, e in manifest["files"].items()) if p]
+
+
+def saved_iterations(root: str) -> list[int]:
+    """The iterations with a (renamed, so once complete) iteration directory in `root`, ascending."""
+    if not Path(root).is_dir():
+        return []
+    found = (_ITERATION_DIR.match(entry.name) for entry in Path(root).iterdir() if entry.is_dir())
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def newest_intact(root: str, exclude: int) -> str:
+    """A sentence naming the newest iteration in `root` (other than `exclude`) whose files all match
+    its manifest, and how to load it."""
+    skipped = []
+    for iteration in reversed(saved_iterations(root)):
+        if iteration == exclude:
+            continue
+        name = iteration_dir(root, iteration).name
+        try:
+            problems = checkpoint_problems(iteration_dir(root, iteration))
+        except CheckpointError as exc:
+            problems = [str(exc)]
+        if problems is None:
+            return (f"the newest other checkpoint in {root} is iteration {iteration} ({name} has no {MANIFEST}: saved "
+                    f"before checksums were recorded, so it cannot be verified); load it with --ckpt-step {iteration}")
+        if not problems:
+            tail = f" ({', '.join(skipped)} damaged too)" if skipped else ""
+            return (f"the newest intact checkpoint in {root} is iteration {iteration}{tail}: load it with "
+                    f"--ckpt-step {iteration} (the other flags unchanged)")
+        skipped.append(name)
+    return f"no other intact checkpoint in {root}{' (' + ', '.join(skipped) + ' damaged too)' if skipped else ''}"
 
 
 def read_rank_file(path: Path) -> dict:
-    """A rank file's payload; CheckpointError when it cannot be read."""
+    """A rank file's payload, checked against its iteration's manifest when there is one;
+    CheckpointError (naming what is wrong and the newest intact iteration) when it cannot be read."""
+    path = Path(path)
+    directory = path.parents[1]
+    try:
+        manifest = read_manifest(directory)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}\n{_intact_hint(directory)}") from exc
+    if manifest is not None:
+        relative = path.relative_to(directory).as_posix()
+        entry = manifest["files"].get(relative)
+        problem = (f"{path} is not one of the files its {MANIFEST} lists" if entry is None
+                   else file_problem(directory, relative, entry))
+        if problem:
+            raise CheckpointError(f"checkpoint {directory} is damaged: {problem}\n{_intact_hint(directory)}")
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:
-        raise CheckpointError(f"{path} cannot be read ({exc}); the file is damaged") from exc
+        hint = f"\n{_intact_hint(directory)}" if _ITERATION_DIR.match(directory.name) else ""
+        raise CheckpointError(f"{path} cannot be read ({exc}); the file is damaged{hint}") from exc
+
+
+def _intact_hint(directory: Path) -> str:
+    match = _ITERATION_DIR.match(directory.name)
+    if not match:
+        return ""
+    return newest_intact(str(directory.parent), int(match.group(1)))
 
 
 def has_checkpoint(root: str) -> bool:
     """Whether `root` holds a complete checkpoint (its tracker file exists)."""
     return (Path(root) / TRACKER).is_file()
+
+
+def load_iteration(root: str, cfg) -> int:
+    """The iteration a run loads from `root`: --ckpt-step N (cfg.checkpoint.ckpt_step), else the
+    tracker's latest."""
+    step = getattr(getattr(cfg, "checkpoint", None), "ckpt_step", None)
+    if step is None:
+        return find_latest(root)
+    if not Path(root).is_dir():
+        raise CheckpointError(f"--load {root}: directory does not exist; check the path or drop --load")
+    if not iteration_dir(root, step).is_dir():
+        saved = saved_iterations(root)
+        held = (f"it holds iteration{'s' if len(saved) > 1 else ''} {', '.join(map(str, saved))}" if saved
+                else "it holds no complete checkpoint")
+        try:
+            held += f" (the latest, per {TRACKER}: {find_latest(root)})"
+        except CheckpointError:
+            pass
+        raise CheckpointError(f"--ckpt-step {step}: --load {root} holds no iteration {step} "
+                              f"(no {iteration_dir(root, step).name}); {held}")
+    return step
 
 
 def find_latest(root: str) -> int:
@@ -223,12 +537,44 @@ def find_latest(root: str) -> int:
     return int(text)
 
 
+_UNVERIFIED_NOTED: set[Path] = set()
+
+
+def agree_on_load(failure: BaseException | None) -> None:
+    """Collective: after each rank loaded (or failed to), every rank learns whether all succeeded,
+    so a damaged file found by one rank stops all of them before training, with its message."""
+    message = None if failure is None else str(failure) or type(failure).__name__
+    messages = _all_gather(message) if dist.is_initialized() else [message]
+    failed = [(rank, text) for rank, text in enumerate(messages) if text is not None]
+    if not failed:
+        return
+    if failure is not None and not isinstance(failure, CheckpointError):
+        raise failure
+    rank, text = failed[0]
+    if len(failed) < len(messages) or any(other != text for _, other in failed):
+        others = [str(r) for r, _ in failed[1:]]
+        also = f" (and on rank{'s' if len(others) > 1 else ''} {', '.join(others)})" if others else ""
+        text = f"loading the checkpoint failed on rank {rank}{also}: {text}"
+    raise CheckpointError(text)
+
+
 def _read_rank_file(root: str, cfg, tp_rank: int, pp_rank: int, ignore: tuple[str, ...] = ()) -> dict:
     """The latest checkpoint's file of (tp_rank, pp_rank), checked against the run's layout
     (except the `ignore`d entries)."""
-    iteration = find_latest(root)
-    path = rank_file(iteration_dir(root, iteration), tp_rank, pp_rank)
-    if not path.is_file():
+    iteration = load_iteration(root, cfg)
+    directory = iteration_dir(root, iteration)
+    path = rank_file(directory, tp_rank, pp_rank)
+    try:
+        manifest = read_manifest(directory)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}\n{newest_intact(root, iteration)}") from exc
+    if manifest is None and directory.is_dir() and directory not in _UNVERIFIED_NOTED:
+        _UNVERIFIED_NOTED.add(directory)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"note: {directory} has no {MANIFEST} (saved before checksums were recorded); "
+                  "loading it without verifying its files", flush=True)
+    listed = manifest is not None and path.relative_to(directory).as_posix() in manifest["files"]
+    if not path.is_file() and not listed:
         raise CheckpointError(
             f"{path} is missing: the checkpoint in {root} was not saved with this rank's "
             f"(tp={tp_rank}, pp={pp_rank}) coordinates; load it with the parallel sizes it was saved with"

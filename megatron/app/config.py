@@ -1,6 +1,8 @@
 """Typed run configuration, built once from the command line and validated up front.
 
-Every component gets its own small dataclass; nothing reads a global args object.
+Every component gets its own small dataclass; nothing reads a global args object. The module is
+over 400 lines because those sections and `validate`, which checks them together (every problem
+named at once, before any work), belong in one place.
 """
 from __future__ import annotations
 
@@ -244,6 +246,7 @@ class CheckpointConfig:
     load: str | None = None
     save_interval: int | None = None
     exit_on_missing_checkpoint: bool = False
+    ckpt_step: int | None = None  # load this iteration from `load` instead of the tracker's latest
 
 
 @dataclass(kw_only=True, slots=True)

@@ -118,17 +118,25 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
           f"chunks={len(chunks)} parameters={params:,}", flush=True)
     ctx.chunks = backend.wrap_model(chunks, cfg)
     ctx.optimizer = backend.build_optimizer(ctx.chunks, cfg.optimizer)
-    load = cfg.checkpoint.load
-    if load and not ckpt.has_checkpoint(load) and not cfg.checkpoint.exit_on_missing_checkpoint:
+    load, step = cfg.checkpoint.load, cfg.checkpoint.ckpt_step
+    if step is not None and not load:
+        raise ckpt.CheckpointError(f"--ckpt-step {step} needs --load DIR, the directory holding iter_{step:07d}")
+    if load and step is None and not ckpt.has_checkpoint(load) and not cfg.checkpoint.exit_on_missing_checkpoint:
         # Megatron-LM's behaviour, which scripts passing the same directory to --save and --load rely on.
         print_rank_0(f"warning: no checkpoint to load in --load {load} (no {ckpt.TRACKER}); starting from "
                      "scratch (--exit-on-missing-checkpoint makes this an error)")
         load = None
     if load:
-        ctx.iteration, ctx.consumed_samples = plugins.first("load_checkpoint", ctx) or ckpt.load_checkpoint(
-            cfg.checkpoint.load, ctx.chunks, ctx.optimizer, cfg, ctx.tp_rank, ctx.pp_rank
-        )
-        print_rank_0(f"loaded checkpoint from {cfg.checkpoint.load} at iteration {ctx.iteration}")
+        failure = None
+        try:
+            ctx.iteration, ctx.consumed_samples = plugins.first("load_checkpoint", ctx) or ckpt.load_checkpoint(
+                cfg.checkpoint.load, ctx.chunks, ctx.optimizer, cfg, ctx.tp_rank, ctx.pp_rank
+            )
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised
+            failure = exc
+        ckpt.agree_on_load(failure)  # a damaged file found by one rank stops every rank here
+        print_rank_0(f"loaded checkpoint from {cfg.checkpoint.load} at iteration {ctx.iteration}"
+                     + (f" (--ckpt-step {step})" if step is not None else ""))
 
     ctx.layout = PipelineLayout(pp_size=p.pipeline_model_parallel_size, num_chunks=cfg.num_chunks,
                                 num_microbatches=cfg.num_microbatches)

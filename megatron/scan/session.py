@@ -215,27 +215,29 @@ def start_trace(config: TraceConfig, *, rank: int, world_size: int, run_id: str,
     from megatron.scan.trace_format import (
         ClockSkew,
         TraceWriter,
-        earlier_attempt_run_id,
+        earlier_attempt,
         elastic_identity,
         header_fields,
-        restart_attempt,
         trace_file_name,
     )
     from megatron.scan.tracer import Tracer, WindowSchedule
 
     joined = dist.get_world_size() if dist.is_initialized() else 1
-    # A torchrun restart (--max-restarts) continues the same run: rank 0 proposes the run id the
-    # earlier attempt wrote, and this attempt's files carry its number (the loader joins them).
-    attempt, elastic = restart_attempt(), elastic_identity()
-    if attempt and elastic and rank == 0:
-        run_id = earlier_attempt_run_id(config.directory, elastic, attempt) or run_id
+    # A torchrun restart (--max-restarts) continues the same run: rank 0 finds the files an earlier
+    # attempt of its job wrote, proposes their run id and the next attempt number, and this
+    # attempt's files carry that number (the loader joins them).
+    attempt, elastic = 0, elastic_identity()
+    if rank == 0 and elastic:
+        earlier = earlier_attempt(config.directory, elastic)
+        if earlier is not None:
+            attempt, run_id = earlier[0] + 1, earlier[1]
     # A gloo side group for MegaScan's own exchanges (the run id now, capture decisions later),
     # created by every rank alike, so that they never queue behind the program's NCCL work.
     side = dist.new_group(backend="gloo") if joined > 1 else None
     if side is not None:  # one id for the whole job, so files of two runs in one directory are told apart
-        holder = [run_id]
+        holder = [run_id, attempt, elastic]
         dist.broadcast_object_list(holder, src=0, group=side)
-        run_id = holder[0]
+        run_id, attempt, elastic = holder
     dense_until = start_iteration + config.dense
     header = header_fields(
         rank=rank, world_size=world_size, run_id=run_id, coordinates=coordinates, sizes=sizes,

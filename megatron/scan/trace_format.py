@@ -45,25 +45,19 @@ def trace_file_name(dp: int, pp: int, tp: int, virtual: str | None = None, attem
     return f"benchmark-data-{dp}-pipeline-{pp}-tensor-{tp}{suffix}.json"
 
 
-def restart_attempt(environ=os.environ) -> int:
-    """Which torchrun attempt of the job this process belongs to (0: the first; torchrun's
-    --max-restarts counts the others in TORCHELASTIC_RESTART_COUNT)."""
-    try:
-        return max(0, int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-    except ValueError:
-        return 0
-
-
 def elastic_identity(environ=os.environ) -> str | None:
-    """What every attempt of one torchrun job shares (its rendezvous id and store address)."""
+    """What every attempt of one torchrun job shares on rank 0's node, and another job does not:
+    torchrun's run id and store address, and the host and process id of the torchrun agent that
+    starts rank 0 (the same agent restarts it); None outside torchrun."""
     if "TORCHELASTIC_RUN_ID" not in environ:
         return None
-    return f"{environ['TORCHELASTIC_RUN_ID']}@{environ.get('MASTER_ADDR', '')}:{environ.get('MASTER_PORT', '')}"
+    return (f"{environ['TORCHELASTIC_RUN_ID']}@{environ.get('MASTER_ADDR', '')}:{environ.get('MASTER_PORT', '')}"
+            f"/{host_identity()}/agent-{os.getppid()}")
 
 
-def earlier_attempt_run_id(directory: str | os.PathLike, elastic_id: str, attempt: int) -> str | None:
-    """The run id an earlier attempt of the same torchrun job wrote into `directory` (its latest
-    attempt's), so a restarted job's trace joins the same run; None if there is none."""
+def earlier_attempt(directory: str | os.PathLike, elastic_id: str) -> tuple[int, str] | None:
+    """(attempt, run id) of the latest attempt of the same torchrun job that wrote trace files into
+    `directory`, so a restarted job's trace joins that run as the next attempt; None if there is none."""
     best: tuple[int, str] | None = None
     for path in iter_trace_files(directory):
         try:
@@ -71,11 +65,12 @@ def earlier_attempt_run_id(directory: str | os.PathLike, elastic_id: str, attemp
                 header = json.loads(f.readline())
         except (OSError, ValueError):
             continue
-        earlier = header.get("attempt", 0) if isinstance(header, dict) else None
-        if (isinstance(earlier, int) and earlier < attempt and header.get("elastic_id") == elastic_id
-                and (best is None or earlier > best[0])):
-            best = (earlier, str(header.get("run_id")))
-    return None if best is None else best[1]
+        if not isinstance(header, dict) or header.get("elastic_id") != elastic_id:
+            continue
+        attempt = header.get("attempt", 0)
+        if isinstance(attempt, int) and (best is None or attempt > best[0]):
+            best = (attempt, str(header.get("run_id")))
+    return best
 
 
 def clock_pair() -> dict[str, int]:
