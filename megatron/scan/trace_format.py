@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -182,6 +183,8 @@ class TraceWriter:
         self._submitted = False
         self._queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        self.stopped: str | None = None  # why writing stopped (a full disk), else None
+        self.windows_written = 0
         self.bytes_written = 0
         self.encode_seconds = 0.0
         self._thread = threading.Thread(target=self._run, name="megascan-writer", daemon=True)
@@ -221,18 +224,37 @@ class TraceWriter:
         self._queue.put(record)
 
     def _append(self, data: bytes) -> None:
+        """One whole line or nothing: a write that fails part way (a full disk) is cut back off, so
+        the file stays readable, and the writer stops (`stopped`): training goes on untraced."""
+        if self.stopped is not None:
+            return
+        before = os.lseek(self._fd, 0, os.SEEK_END)
         view = memoryview(data)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
-        os.fsync(self._fd)
+        try:
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+            os.fsync(self._fd)
+        except OSError as exc:
+            try:
+                os.ftruncate(self._fd, before)  # frees what the torn line took
+            except OSError:
+                pass
+            self.stopped = f"{self.path}: {exc.strerror or exc}"
+            print(f"[megascan] rank {self.header.get('rank')}: tracing stopped, writing {self.stopped}; training "
+                  f"goes on untraced, and the file keeps its {self.windows_written} complete window(s)",
+                  file=sys.stderr, flush=True)
+            return
         self.bytes_written += len(data)
+        self.windows_written += data.startswith(b'{"type":"window"')
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
+            if self.stopped is not None:  # the disk filled: nothing more is encoded or written
+                continue
             try:
                 started = time.perf_counter()
                 if isinstance(item, WindowRecord):
