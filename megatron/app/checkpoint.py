@@ -540,6 +540,28 @@ def find_latest(root: str) -> int:
 _UNVERIFIED_NOTED: set[Path] = set()
 
 
+def check_room_for_next_save(root: str, rank: int) -> None:
+    """Collective, at start-up: stop every rank now if --save's filesystem cannot hold another
+    checkpoint as large as its latest (checkpoints are kept, so the next needs that much free). A
+    job whose save failed on a full disk would otherwise, restarted by torchrun, train up to the
+    same save and fail again, once per restart."""
+    problem = None
+    previous = _previous_checkpoint(root) if rank == 0 else None
+    if previous and previous[1]:
+        free = _free_bytes(Path(root))
+        if free is not None and free < previous[1]:
+            iteration, size = previous
+            problem = (f"not enough space to save the next checkpoint to {root}: the latest one "
+                       f"({iteration_dir(root, iteration).name}) holds {format_bytes(size)} and "
+                       f"{format_bytes(free)} are free on its filesystem\nfree space (or --save to a larger "
+                       f"filesystem) and rerun the same command to resume from iteration {iteration} (checked "
+                       f"before training, so a restarted job does not train up to a save that cannot be written)")
+    problems = _all_gather(problem) if dist.is_initialized() else [problem]
+    found = next((text for text in problems if text is not None), None)
+    if found is not None:
+        raise CheckpointSaveError(found)
+
+
 def agree_on_load(failure: BaseException | None) -> None:
     """Collective: after each rank loaded (or failed to), every rank learns whether all succeeded,
     so a damaged file found by one rank stops all of them before training, with its message."""

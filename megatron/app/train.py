@@ -137,6 +137,8 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
         ckpt.agree_on_load(failure)  # a damaged file found by one rank stops every rank here
         print_rank_0(f"loaded checkpoint from {cfg.checkpoint.load} at iteration {ctx.iteration}"
                      + (f" (--ckpt-step {step})" if step is not None else ""))
+    if cfg.checkpoint.save:
+        ckpt.check_room_for_next_save(cfg.checkpoint.save, ctx.rank)
 
     ctx.layout = PipelineLayout(pp_size=p.pipeline_model_parallel_size, num_chunks=cfg.num_chunks,
                                 num_microbatches=cfg.num_microbatches)

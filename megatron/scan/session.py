@@ -223,12 +223,13 @@ def start_trace(config: TraceConfig, *, rank: int, world_size: int, run_id: str,
     from megatron.scan.tracer import Tracer, WindowSchedule
 
     joined = dist.get_world_size() if dist.is_initialized() else 1
-    # A torchrun restart (--max-restarts) continues the same run: rank 0 finds the files an earlier
-    # attempt of its job wrote, proposes their run id and the next attempt number, and this
-    # attempt's files carry that number (the loader joins them).
+    # A torchrun restart (--max-restarts), or the same command run again from its checkpoint,
+    # continues the run: rank 0 finds the files the earlier attempt wrote, proposes their run id
+    # and the next attempt number, and this attempt's files carry that number (the loader joins them).
     attempt, elastic = 0, elastic_identity()
-    if rank == 0 and elastic:
-        earlier = earlier_attempt(config.directory, elastic)
+    if rank == 0:
+        earlier = earlier_attempt(config.directory, elastic, resumed=start_iteration > 0, world_size=world_size,
+                                  sizes=sizes)
         if earlier is not None:
             attempt, run_id = earlier[0] + 1, earlier[1]
     # A gloo side group for MegaScan's own exchanges (the run id now, capture decisions later),

@@ -56,22 +56,37 @@ def elastic_identity(environ=os.environ) -> str | None:
             f"/{host_identity()}/agent-{os.getppid()}")
 
 
-def earlier_attempt(directory: str | os.PathLike, elastic_id: str) -> tuple[int, str] | None:
-    """(attempt, run id) of the latest attempt of the same torchrun job that wrote trace files into
-    `directory`, so a restarted job's trace joins that run as the next attempt; None if there is none."""
-    best: tuple[int, str] | None = None
+def earlier_attempt(directory: str | os.PathLike, elastic_id: str | None, *, resumed: bool = False,
+                    world_size: int = 0, sizes: dict | None = None) -> tuple[int, str] | None:
+    """(attempt, run id) of the latest attempt of the run this job continues in `directory`, so its
+    trace joins that run as the next attempt; None if it continues none. A run continues another
+    when it is the same torchrun job (`elastic_id`: restarted by --max-restarts) or, `resumed` from a
+    checkpoint, when the directory holds a run of the same layout (the same command run again after
+    a failure, e.g. once space was freed): the latest such run."""
+    same_job: tuple[int, str] | None = None
+    runs: dict[str, tuple[int, int]] = {}  # run id -> (latest attempt, latest start wall ns)
     for path in iter_trace_files(directory):
         try:
             with open(path, "rb") as f:
                 header = json.loads(f.readline())
         except (OSError, ValueError):
             continue
-        if not isinstance(header, dict) or header.get("elastic_id") != elastic_id:
+        if not isinstance(header, dict) or not isinstance(header.get("attempt", 0), int):
             continue
-        attempt = header.get("attempt", 0)
-        if isinstance(attempt, int) and (best is None or attempt > best[0]):
-            best = (attempt, str(header.get("run_id")))
-    return best
+        attempt, run_id = header.get("attempt", 0), str(header.get("run_id"))
+        if elastic_id is not None and header.get("elastic_id") == elastic_id:
+            if same_job is None or attempt > same_job[0]:
+                same_job = (attempt, run_id)
+        elif resumed and header.get("world_size") == world_size and header.get("sizes") == sizes:
+            wall = int(header.get("clock_reference", {}).get("wall_ns", 0))
+            known = runs.get(run_id, (-1, 0))
+            runs[run_id] = (max(known[0], attempt), max(known[1], wall))
+    if same_job is not None:
+        return same_job
+    if runs:
+        run_id, (attempt, _) = max(runs.items(), key=lambda item: item[1][1])
+        return attempt, run_id
+    return None
 
 
 def clock_pair() -> dict[str, int]:

@@ -172,6 +172,12 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_the_same_comm
         assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
         assert not _processes_naming(str(root)), "ranks left running"
 
+        # Run again as it is (what torchrun's restart does): it stops before training, not at the same save.
+        code, out = _train(command)
+        assert code != 0 and not losses(out), out[-3000:]
+        assert (f"not enough space to save the next checkpoint to {root}: the latest one (iter_0000002) holds "
+                in out and "rerun the same command to resume from iteration 2" in out), out[-3000:]
+
         # A save that was killed leaves a staging directory; the next save removes it.
         (root / "iter_0000003.tmp" / "mp_rank_00_000").mkdir(parents=True)
         (root / "iter_0000003.tmp" / "mp_rank_00_000" / "model_optim_rng.pt.tmp").write_bytes(b"partial")

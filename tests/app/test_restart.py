@@ -98,3 +98,23 @@ def test_two_nodes_restart_together_under_c10d_rendezvous(tmp_path):
     assert len(re.findall(r" iteration\s+11/", logged)) == 2
     kept = losses(logged)
     assert sorted(kept) == list(range(1, 17)) and all(kept[i] == expected[i] for i in kept), (kept, expected)
+
+
+def test_running_the_same_command_again_continues_the_trace(tmp_path):
+    """A job that stopped (no restarts left) and is run again by hand resumes from its checkpoint and
+    its trace continues the same run as the next attempt (before, its files replaced the first
+    run's and the directory mixed two runs)."""
+    from megatron.scan.load import load_directory
+
+    trace = tmp_path / "trace"
+    traced = ["--trace", "--trace-dir", str(trace)]
+    failed = torchrun("pretrain_gpt.py", _job(tmp_path, "ckpt", [*traced, "--kill-rank", "3:12"]), nproc=4,
+                      timeout=240, extra_env=PLUGINS)
+    assert failed.returncode != 0
+    again = torchrun("pretrain_gpt.py", _job(tmp_path, "ckpt", traced), nproc=4, timeout=240)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert f"loaded checkpoint from {tmp_path / 'ckpt'} at iteration 10" in again.stdout
+    loaded = load_directory(trace)  # one run: no "mixes trace files of 2 different runs"
+    rows = loaded.columns["name"] == loaded.name_id("iteration")
+    for rank in range(4):
+        assert sorted(loaded.columns["iteration"][rows & (loaded.columns["rank"] == rank)].tolist()) == list(range(16))
