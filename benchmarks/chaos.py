@@ -586,7 +586,8 @@ def table(outcomes: list[Outcome]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--faults", type=int, default=50, help="number of faulty jobs (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the draw of faults, job kinds, ranks and moments (default 0)")
     parser.add_argument("--keep", default=None, metavar="DIR", help="copy the run directory (logs, checkpoints, "
                         "traces) of every fault that was not survived into DIR")
     parser.add_argument("--only", default=None, help="comma-separated fault kinds to draw from (default: all)")

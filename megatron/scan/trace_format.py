@@ -1,6 +1,8 @@
 """The per-rank trace file: a JSON header line, then one self-contained JSON line per traced window
 (columnar events), then an end line. Written append-only by a background thread; read back
-into NumPy columns. Every module that produces timing writes this one format."""
+into NumPy columns. Every module that produces timing writes this one format. The module is over 400
+lines because the writer, the reader and what names a file (a rank, a role, a torchrun attempt)
+must agree on that format, so they stay together."""
 from __future__ import annotations
 
 import json

@@ -19,15 +19,26 @@ def one_rank():
     """One gloo rank with megatron-core's process groups and the CPU stand-ins, as the trainer sets them."""
     from megatron.core import parallel_state
 
+    import os
+
+    import torch.distributed as dist
+
     from megatron.app.device import build_backend
 
+    saved = {key: os.environ.get(key) for key in ("MASTER_ADDR", "MASTER_PORT")}
     backend = build_backend("cpu")
-    backend.init_distributed(timeout_s=120)
+    backend.init_distributed(timeout_s=120)  # sets MASTER_ADDR/PORT in this process: undone below
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     backend.init_model_parallel(1, 1, None, seed=3)
     yield
     parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    for key, value in saved.items():  # later tests' subprocesses must not inherit this rank's port
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _config(heads: int, groups: int, **extra):

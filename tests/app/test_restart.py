@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from conftest import SMALL_MODEL
 from launch import torchrun
 from logparse import losses
@@ -20,12 +22,17 @@ def _job(tmp_path, name: str, extra: list[str]) -> list[str]:
             "--save-interval", "5", "--deterministic-mode", *extra]
 
 
-def test_a_killed_rank_is_restarted_by_torchrun_and_the_curve_continues_exactly(tmp_path):
-    clean = torchrun("pretrain_gpt.py", _job(tmp_path, "clean", []), nproc=4, timeout=240)
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory) -> dict[int, str]:
+    """The uninterrupted run's losses (the same job without a kill)."""
+    clean = torchrun("pretrain_gpt.py", _job(tmp_path_factory.mktemp("clean"), "clean", []), nproc=4, timeout=240)
     assert clean.returncode == 0, clean.stdout[-2000:] + clean.stderr[-3000:]
-    expected = losses(clean.stdout)
-    assert sorted(expected) == list(range(1, 17))
+    result = losses(clean.stdout)
+    assert sorted(result) == list(range(1, 17))
+    return result
 
+
+def test_a_killed_rank_is_restarted_by_torchrun_and_the_curve_continues_exactly(tmp_path, expected):
     proc = torchrun("pretrain_gpt.py", _job(tmp_path, "killed", ["--kill-rank", "3:12"]), nproc=4, timeout=300,
                     extra_env=PLUGINS, torchrun_args=["--max-restarts", "1", "--monitor-interval", "1"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
@@ -72,7 +79,7 @@ def test_a_traced_restart_is_one_run_with_the_rolled_back_iterations_left_out(tm
     assert not list(trace.glob("hang-*"))
 
 
-def test_two_nodes_restart_together_under_c10d_rendezvous(tmp_path):
+def test_two_nodes_restart_together_under_c10d_rendezvous(tmp_path, expected):
     """Two `torchrun --nnodes 2 --rdzv-backend c10d` nodes, rank 3 (node 1) killed: node 1's agent
     counts a restart, node 0's restarts its workers because node 1 is waiting and does not, so the
     attempts disagree on TORCHELASTIC_RESTART_COUNT; the job still resumes from the checkpoint and
@@ -81,9 +88,6 @@ def test_two_nodes_restart_together_under_c10d_rendezvous(tmp_path):
 
     from launch import free_port, run_nodes
 
-    clean = torchrun("pretrain_gpt.py", _job(tmp_path, "clean", []), nproc=4, timeout=240)
-    assert clean.returncode == 0, clean.stderr[-3000:]
-    expected = losses(clean.stdout)
     port = free_port()
     results = run_nodes([["env", f"MEGATRON_APP_PLUGINS={PLUGINS['MEGATRON_APP_PLUGINS']}", sys.executable, "-m",
                           "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
