@@ -110,6 +110,15 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
             evidence.append(f"from iteration {finding.onset_iteration} on, compute {finding.slowdown:.2f}x its earlier "
                             f"standing against its {'peers' if finding.method == 'peers' else 'TP-index peers'} "
                             f"{finding.peers} ({finding.z:.1f} standard errors, slower in every later iteration)")
+        elif finding is not None and finding.measure == "typical":
+            peers = (f"its peers {finding.peers}" if finding.method == "peers"
+                     else f"the other ranks of its TP index {finding.peers} (no same-stage peer)")
+            call = "transformer-layer call" if stage1.layer_typical else "forward/backward task"
+            evidence.append(f"compute {finding.slowdown:.2f}x {peers} in its typical {call} (median over "
+                            f"{finding.iterations} iterations of the median call, {finding.z:.1f} standard errors, "
+                            f"slower in {finding.typical_slower_iterations} of {finding.iterations}): slower in "
+                            f"every call, as a slower device is; its busy total read "
+                            f"{_busy_total_ratio(finding):.2f}x")
         elif finding is not None and finding.method == "peers":
             evidence.append(f"compute {finding.slowdown:.2f}x its peers {finding.peers} (median over "
                             f"{finding.iterations} iterations of the busy total, {finding.z:.1f} standard errors, "
@@ -369,6 +378,11 @@ def _one_entry_per_suspect(suspects: list[Suspect]) -> list[Suspect]:
         for name, value in suspect.details.items():
             first.details.setdefault(name, value)
     return list(merged.values())
+
+
+def _busy_total_ratio(finding) -> float:
+    """The median per-iteration ratio of a finding's busy totals to its peers' (its series')."""
+    return float(np.exp(np.median(finding.series))) if len(finding.series) else float("nan")
 
 
 def _falls_behind(finding, since: int) -> bool:

@@ -29,6 +29,13 @@ class ComputeFinding:
     flagged: bool
     onset_iteration: int | None = None
     worst_ops: list[dict] = field(default_factory=list)
+    # What named it: "total" (the busy total per iteration, which bursts move) or "typical" (the
+    # median call per iteration, which a steadily slower device moves and host noise hardly does).
+    measure: str = "total"
+    # The typical call's test, whatever named it (nan where there was no such series).
+    typical_slowdown: float = float("nan")  # median over iterations of its median call / peers'
+    typical_z: float = float("nan")
+    typical_slower_iterations: int = 0
     # The per-iteration log ratios judged, their iterations and noise (not reported; see since).
     series: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False, metadata={"internal": True})
     series_iterations: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False,
@@ -54,6 +61,8 @@ class ComputeStage:
     findings: dict[int, ComputeFinding]
     noise: float  # robust std of one instance's log busy time
     iteration_noise: float = float("nan")  # robust std of one per-iteration log ratio
+    typical_noise: float = float("nan")  # the same for the typical call's series
+    layer_typical: bool = False  # whether the typical call is a transformer layer's (else a task's)
     cannot_compare: list[int]  # ranks with neither peers nor enough history
     notes: list[str] = field(default_factory=list)
 
@@ -94,6 +103,7 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
     stages = sorted({role.stage for role in data.roles.values()})
     stage_of = np.array([stages.index(data.roles[int(r)].stage) for r in t["rank"]], dtype=np.int64)
     compared: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, list[int], np.ndarray]] = {}
+    typical: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # rank -> (iterations, typical log ratio)
     for stage in np.unique(stage_of):
         in_stage = stage_of == stage
         ranks = np.unique(t["rank"][in_stage])
@@ -117,7 +127,9 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
             instance_ratio = matrix[valid, j] - np.nanmedian(others[valid], axis=1) if valid.any() else np.zeros(0)
             own = totals[:, j] if len(iterations) else np.zeros(0)
             compared[int(rank)] = (per_iteration, iterations, instance_ratio, peers, keys[valid], own)
+        typical.update(_stage_typical(data, ranks, in_stage))
     iteration_noise = series_noise([r for r, *_ in compared.values()], default=0.1)
+    typical_noise = series_noise([r for _, r in typical.values()], default=0.1)
     host_of = {int(rank): data.roles[int(rank)].host if int(rank) in data.roles else ""
                for rank in np.unique(t["rank"])}
     for rank, (per_iteration, iterations, instance_ratio, peers, keys, own) in compared.items():
@@ -126,12 +138,16 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
         neighbours = [(c[1], c[5]) for other, c in compared.items() if other != rank and host_of[other] == host_of[rank]]
         findings[rank] = _finding(rank, peers, per_iteration, iteration_noise, instance_ratio, keys, pair_noise,
                                   z_instance, z_rank, min_slowdown, min_consistency,
-                                  iterations_of=iterations, own=own, neighbours=neighbours)
+                                  iterations_of=iterations, own=own, neighbours=neighbours,
+                                  typical=typical.get(rank), typical_noise=typical_noise)
     # Ranks with no same-stage peer (PP-only layouts): with per-layer spans, every transformer
     # layer of any stage runs the same kernels, so ranks of one TP index compare layer by layer.
     lonely = [r for r in data.world if r not in findings]
     if lonely and len(data.layers["rank"]):
-        findings.update(_layer_peers(data, lonely, z_rank, min_slowdown, min_consistency))
+        layer_findings, layer_typical_noise = _layer_peers(data, lonely, z_rank, min_slowdown, min_consistency)
+        findings.update(layer_findings)
+        if not typical:
+            typical_noise = layer_typical_noise
     alone = [r for r in data.world if r not in findings]
     # Every rank's iteration totals, for what the host did at a lone rank's onset (only when one is left).
     totals_of = {int(rank): _iteration_totals(t["iteration"][t["rank"] == rank], t["busy"][t["rank"] == rank])
@@ -148,14 +164,80 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
     if cannot:
         notes.append(f"rank(s) {cannot} have no peer of the same stage and too few iterations to compare with "
                      f"their own history: their compute cannot be compared")
-    return ComputeStage(findings=findings, noise=noise, iteration_noise=iteration_noise, cannot_compare=cannot,
+    return ComputeStage(findings=findings, noise=noise, iteration_noise=iteration_noise,
+                        typical_noise=typical_noise if typical or any(f.method == "layers" for f in findings.values())
+                        else float("nan"), layer_typical=bool(len(data.layers["rank"])), cannot_compare=cannot,
                         notes=notes)
 
 
+def _group_median(values: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(group ids, median of `values` in each), nan values left out."""
+    keep = ~np.isnan(values)
+    values, groups = values[keep], groups[keep]
+    if not len(values):
+        return np.zeros(0, dtype=groups.dtype), np.zeros(0)
+    order = np.lexsort((values, groups))
+    g, v = groups[order], values[order]
+    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+    counts = np.diff(np.r_[starts, len(g)])
+    return g[starts], (v[starts + (counts - 1) // 2] + v[starts + counts // 2]) / 2
+
+
+def typical_ratios(rank: np.ndarray, iteration: np.ndarray, call: np.ndarray, busy: np.ndarray,
+                   ranks: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """The typical call, compared: per iteration and call (`call`: one id per kind of call that
+    runs the same kernels, e.g. the backward of layer 3), each rank's median log busy time over
+    its calls of that kind against the median of its peers' (`ranks`); per iteration, the median
+    of those log ratios over the kinds of call. A device that is steadily slower runs every call
+    slower and moves this fully; a rank preempted now and then on a busy host has a few long
+    calls, which move the iteration's total but hardly its median call. rank -> (iterations,
+    per-iteration log ratio)."""
+    ranks = np.asarray(sorted(int(r) for r in ranks))
+    sel = np.isin(rank, ranks)
+    if not sel.any():
+        return {}
+    keys, key_of = np.unique(np.column_stack([iteration[sel], call[sel]]), axis=0, return_inverse=True)
+    key_of = key_of.reshape(-1)
+    col = np.searchsorted(ranks, rank[sel])
+    cell, medians = _group_median(np.log(np.maximum(busy[sel], 1).astype(np.float64)), key_of * len(ranks) + col)
+    matrix = np.full((len(keys), len(ranks)), np.nan)  # [iteration and call, rank] median log busy
+    matrix[cell // len(ranks), cell % len(ranks)] = medians
+    out = {}
+    for j, r in enumerate(ranks):
+        others = np.delete(matrix, j, axis=1)
+        valid = ~np.isnan(matrix[:, j]) & (np.sum(~np.isnan(others), axis=1) > 0)
+        if not valid.any():
+            continue
+        ratio = matrix[valid, j] - np.nanmedian(others[valid], axis=1)
+        iterations, series = _group_median(ratio, keys[valid, 0])
+        out[int(r)] = (iterations, series)
+    return out
+
+
+def _stage_typical(data: DetectionInput, ranks: np.ndarray, in_stage: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """typical_ratios of one stage's ranks: over transformer-layer calls (per layer and direction)
+    where every rank of the stage has them, else over its forward/backward tasks."""
+    layers = data.layers
+    if len(layers["rank"]) and np.isin(ranks, layers["rank"]).all():
+        return typical_ratios(layers["rank"], layers["iteration"], _call_ids(layers["kind"], layers["layer"]),
+                              layers["busy"], ranks)
+    t = data.compute
+    call = _call_ids(t["kind"][in_stage], t["chunk"][in_stage], t["microbatch"][in_stage])
+    return typical_ratios(t["rank"][in_stage], t["iteration"][in_stage], call, t["busy"][in_stage], ranks)
+
+
+def _call_ids(*columns: np.ndarray) -> np.ndarray:
+    """One integer per distinct combination of the columns."""
+    if not len(columns[0]):
+        return np.zeros(0, dtype=np.int64)
+    return np.unique(np.column_stack(columns), axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
+
+
 def _layer_peers(data: DetectionInput, lonely: list[int], z_rank: float, min_slowdown: float,
-                 min_consistency: float) -> dict[int, ComputeFinding]:
+                 min_consistency: float) -> tuple[dict[int, ComputeFinding], float]:
     """Per iteration, each rank's mean busy time per layer call against the median of the other
-    ranks of its TP index (all stages); findings for the `lonely` ranks only."""
+    ranks of its TP index (all stages), and its typical layer call (typical_ratios, per direction);
+    findings for the `lonely` ranks only, and the typical series' noise."""
     t = data.layers
     # MegaFBD's forward and backward instances of one coordinate do different work: never peers.
     tp_of = {r: (role.tp, role.role) for r, role in data.roles.items()}
@@ -164,9 +246,11 @@ def _layer_peers(data: DetectionInput, lonely: list[int], z_rank: float, min_slo
     for rank in np.unique(t["rank"]).astype(int):
         groups.setdefault(tp_of[int(rank)], []).append(int(rank))
     per_rank: dict[int, tuple[np.ndarray, list[int]]] = {}
+    typical: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for ranks in groups.values():
         if len(ranks) < 2:
             continue
+        typical.update(typical_ratios(t["rank"], t["iteration"], t["kind"], t["busy"], np.asarray(ranks)))
         iterations = np.unique(t["iteration"][np.isin(t["rank"], ranks)])
         matrix = np.full((len(iterations), len(ranks)), np.nan)  # [iteration, rank] log mean layer busy
         for j, rank in enumerate(ranks):
@@ -181,31 +265,46 @@ def _layer_peers(data: DetectionInput, lonely: list[int], z_rank: float, min_slo
                 per_rank[rank] = (matrix[valid, j] - np.nanmedian(others[valid], axis=1),
                                   [r for r in ranks if r != rank], iterations[valid], matrix[valid, j])
     noise = series_noise([r for r, *_ in per_rank.values()], default=0.1)
+    typical_noise = series_noise([r for _, r in typical.values()], default=0.1)
     for rank in lonely:
         if rank not in per_rank:
             continue
         ratio, peers, iterations, own = per_rank[rank]
         finding = _finding(rank, peers, ratio, noise, np.zeros(0), np.zeros((0, 4), dtype=np.int64), 1.0, 2.0,
                            z_rank, min_slowdown, min_consistency,
-                           iterations_of=iterations, own=own)
+                           iterations_of=iterations, own=own, typical=typical.get(rank), typical_noise=typical_noise)
         finding.method = "layers"
         findings[rank] = finding
-    return findings
+    return findings, typical_noise
 
 
 def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_noise: float,
              instance_ratio: np.ndarray, keys: np.ndarray, pair_noise: float, z_instance: float, z_rank: float,
              min_slowdown: float, min_consistency: float, iterations_of: np.ndarray,
              own: np.ndarray | None = None,
-             neighbours: list[tuple[np.ndarray, np.ndarray]] = ()) -> ComputeFinding:
+             neighbours: list[tuple[np.ndarray, np.ndarray]] = (),
+             typical: tuple[np.ndarray, np.ndarray] | None = None,
+             typical_noise: float = float("nan")) -> ComputeFinding:
     """`per_iteration`: the rank's log ratio to its peers per iteration; `own`: its own log busy
     per iteration (same order), which an onset must show beyond what the other ranks of its host
     show at the same iteration (`neighbours`: their (iterations, own log busy); see
-    own_share_of_onset)."""
+    own_share_of_onset). `typical`: (iterations, log ratio of its typical call; typical_ratios),
+    judged by the same tests with its own noise when the totals name nothing."""
     median = float(np.median(per_iteration))
     z = median / (1.2533 * iteration_noise / np.sqrt(len(per_iteration)))
     consistent = bool(np.mean(per_iteration > 0) >= min_consistency) if len(per_iteration) >= 4 else True
     flagged = bool(z > z_rank and np.exp(median) >= min_slowdown and consistent)
+    measure = "total"
+    typical_slowdown, typical_z, typical_slower = float("nan"), float("nan"), 0
+    if typical is not None and len(typical[1]):
+        series = typical[1]
+        typical_median = float(np.median(series))
+        typical_slowdown = float(np.exp(typical_median))
+        typical_z = typical_median / (1.2533 * typical_noise / np.sqrt(len(series)))
+        typical_slower = int(np.sum(series > 0))
+        typical_consistent = bool(np.mean(series > 0) >= min_consistency) if len(series) >= 4 else True
+        if not flagged and typical_z > z_rank and typical_slowdown >= min_slowdown and typical_consistent:
+            flagged, measure = True, "typical"
     onset = None
     if not flagged:  # a fault that began mid-run barely moves the whole series' median
         change = significant_onset(per_iteration, iteration_noise, z_rank, min_slowdown)
@@ -216,9 +315,13 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
     worst = np.argsort(-instance_ratio)[:5]
     worst_ops = [{"iteration": int(keys[i, 0]), "op": "backward" if keys[i, 1] else "forward", "chunk": int(keys[i, 2]),
                   "microbatch": int(keys[i, 3]), "slowdown": round(float(np.exp(instance_ratio[i])), 3)} for i in worst]
+    if measure == "typical":
+        median, z = float(np.log(typical_slowdown)), typical_z
     return ComputeFinding(rank=rank, method="peers", peers=peers, instances=len(instance_ratio),
                           slow_instances=int(slow.sum()), iterations=len(per_iteration),
-                          slower_iterations=int(np.sum(per_iteration > 0)), slowdown=float(np.exp(median)),
+                          slower_iterations=int(np.sum(per_iteration > 0)) if measure == "total" else typical_slower,
+                          slowdown=float(np.exp(median)), measure=measure, typical_slowdown=typical_slowdown,
+                          typical_z=float(typical_z), typical_slower_iterations=typical_slower,
                           task_slowdown=float(np.exp(np.median(instance_ratio))) if len(instance_ratio) else 1.0,
                           z=float(z), flagged=flagged, worst_ops=worst_ops, onset_iteration=onset,
                           series=np.asarray(per_iteration, dtype=np.float64),
