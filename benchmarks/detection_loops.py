@@ -4,13 +4,12 @@ zero-code launcher at its default settings (`python -m megatron.scan launch --tr
 torchrun --nproc-per-node 4 loop.py`: every one of the first 20 optimizer steps traced, then 2 in
 every 5), healthy and
 with one rank throttled from outside by a cgroup CPU quota (`python -m megatron.scan fault
-throttle`, applied as soon as the rank's process exists), each --repeat times, round-robin. Per
-loop and scenario: the job's slowdown against the loop's healthy runs, runs in which the faulty
-rank was named first, runs in which any healthy rank was named, and the verdicts.
-
-There is no in-process slowdown here: megatron/scan/inject.py is a plugin of this project's
-trainer (`--inject-slowdown` / `--inject-stall`), and the launcher has no flag or environment
-variable that arms it in a launched program, so faults come from outside only.
+throttle`, applied as soon as the rank's process exists), and with one rank's device made slower
+in-process (`launch --inject-slowdown RANK:FACTOR`: each call of the model's repeated blocks takes
+FACTOR x as long, or each forward and backward of a model without such blocks), each --repeat
+times, round-robin. Per loop and scenario: the job's slowdown against the loop's healthy runs,
+runs in which the faulty rank was named first, runs in which any healthy rank was named, and the
+verdicts.
 
     python benchmarks/detection_accuracy.py --loops hf_trainer,lightning,ignite,torch_ddp --repeat 5
     python benchmarks/detection_loops.py --loops all --repeat 5 [--loop-fraction 0.2] [--keep DIR]"""
@@ -60,25 +59,32 @@ LOOPS = {loop.name: loop for loop in [
          ("--width", "256", "--layers", "2", "--batch", "64")),
     Loop("torch_ddp", "torch_ddp.py", "", "plain DDP, no_sync accumulation (baseline)",
          ("--width", "256", "--layers", "2", "--batch", "64")),
+    Loop("fsdp2", "fsdp2.py", "", "FSDP2 fully_shard per block, gloo (baseline)",
+         ("--width", "256", "--layers", "2", "--batch", "64")),
 ]}
-SCENARIOS = ("healthy", "throttle")
+SCENARIOS = ("healthy", "throttle", "inject")
+# The in-process slowdown of the `inject` scenario (the trainer's benchmark uses the same factor).
+INJECT_FACTOR = 1.25
 
 
 @dataclass(kw_only=True)
 class LoopScenario:
     loop: Loop
-    kind: str  # "healthy" | "throttle"
-    rank: int = -1  # the throttled rank
+    kind: str  # "healthy" | "throttle" | "inject"
+    rank: int = -1  # the throttled or slowed rank
     fraction: float = 0.0  # its CPU quota, in cores
+    factor: float = INJECT_FACTOR  # inject: how much slower its device computes
 
     @property
     def name(self) -> str:
+        if self.kind == "inject":
+            return f"{self.loop.name} inject r{self.rank} {self.factor:g}x"
         return f"{self.loop.name} healthy" if self.kind == "healthy" else \
             f"{self.loop.name} throttle r{self.rank} {self.fraction:g} core"
 
     @property
     def expected(self) -> list[int]:
-        return [self.rank] if self.kind == "throttle" else []
+        return [self.rank] if self.kind in ("throttle", "inject") else []
 
 
 @dataclass(kw_only=True)
@@ -91,9 +97,12 @@ class JobResult:
     extra: dict = field(default_factory=dict)
 
 
-def launch_command(loop: Loop, trace_dir: Path, port: int, nproc: int, steps: int) -> list[str]:
-    """The user's command under the launcher, launcher options at their defaults."""
-    return [sys.executable, "-m", "megatron.scan", "launch", "--trace-dir", str(trace_dir), "--",
+def launch_command(loop: Loop, trace_dir: Path, port: int, nproc: int, steps: int,
+                   inject: tuple[str, ...] = ()) -> list[str]:
+    """The user's command under the launcher, launcher options at their defaults (`inject`: the
+    --inject-slowdown values of an in-process fault)."""
+    injected = [arg for value in inject for arg in ("--inject-slowdown", value)]
+    return [sys.executable, "-m", "megatron.scan", "launch", "--trace-dir", str(trace_dir), *injected, "--",
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
             "--master-port", str(port), str(LOOPS_DIR / loop.script), "--steps", str(steps), *loop.args]
 
@@ -106,7 +115,8 @@ def run_job(scenario: LoopScenario, trace_dir: Path, *, nproc: int, steps: int, 
 
     port = free_port()
     started = time.monotonic()
-    job = subprocess.Popen(launch_command(scenario.loop, trace_dir, port, nproc, steps), cwd=ROOT, env=env(),
+    inject = (f"{scenario.rank}:{scenario.factor:g}",) if scenario.kind == "inject" else ()
+    job = subprocess.Popen(launch_command(scenario.loop, trace_dir, port, nproc, steps, inject), cwd=ROOT, env=env(),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(job.stdout), daemon=True)  # never blocks the job
@@ -186,7 +196,7 @@ def make_scenarios(loops: list[str], kinds: list[str], rank: int, fraction: floa
         loop = LOOPS[name]
         for kind in kinds:
             scenarios.append(LoopScenario(loop=loop, kind=kind, rank=rank, fraction=fraction or loop.fraction)
-                             if kind == "throttle" else LoopScenario(loop=loop, kind=kind))
+                             if kind != "healthy" else LoopScenario(loop=loop, kind=kind))
     return scenarios
 
 
@@ -198,8 +208,6 @@ def run_loops(loops: list[str], kinds: list[str], *, repeat: int, steps: int, np
     scenarios = make_scenarios(loops, kinds, rank, fraction)
     results: dict[str, list[dict]] = {s.name: [] for s in scenarios}
     total, started = repeat * len(scenarios), time.perf_counter()
-    print(f"in-process slowdown: not run (the launcher cannot inject one; megatron/scan/inject.py is a plugin of "
-          f"pretrain_gpt.py only)", file=sys.stderr, flush=True)
     for round_ in range(repeat):
         for scenario in scenarios:
             with tempfile.TemporaryDirectory() as scratch:
@@ -243,7 +251,8 @@ def report(scenarios: list[LoopScenario], results: dict[str, list[dict]]) -> int
         acted = [r["quota_acted"].get(str(scenario.rank)) for r in runs if r.get("quota_acted")]
         acted = [a for a in acted if a is not None]
         verdicts = ", ".join(f"{v} {n}" for v, n in sorted(Counter(r["verdict"] for r in runs).items()))
-        what = "-" if scenario.kind == "healthy" else f"throttle r{scenario.rank} {scenario.fraction:g} core"
+        what = {"healthy": "-", "throttle": f"throttle r{scenario.rank} {scenario.fraction:g} core",
+                "inject": f"in-process r{scenario.rank} {scenario.factor:g}x"}[scenario.kind]
         first = f"{sum(1 for r in runs if r['first'])}/{len(runs)}" if scenario.expected else "-"
         print(f"| {scenario.loop.name} | {what} | {len(runs)}{f' ({failed} failed)' if failed else ''} | "
               f"{f'{slowdown:.2f}x' if scenario.kind != 'healthy' and slowdown == slowdown else '-'} | "
@@ -260,12 +269,14 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = False) -> 
     parser.add_argument("--loops", default=None if not standalone else "all", metavar="NAME[,NAME...]",
                         help=f"run the launched-loop scenarios for these loops ({', '.join(LOOPS)}, or all) under "
                              f"`python -m megatron.scan launch` at default settings, --repeat times each")
-    parser.add_argument("--loop-scenarios", default="healthy,throttle", metavar="S[,S...]",
-                        help="--loops: which scenarios (healthy, throttle; default both)")
+    parser.add_argument("--loop-scenarios", default="healthy,throttle,inject", metavar="S[,S...]",
+                        help="--loops: which scenarios (healthy, throttle from outside, inject in-process "
+                             f"{INJECT_FACTOR:g}x; default all three)")
     parser.add_argument("--loop-steps", type=int, default=40, metavar="N",
                         help="--loops: optimizer steps per run (default 40: 16 traced at the launcher's 2 in 5)")
     parser.add_argument("--loop-nproc", type=int, default=4, metavar="N", help="--loops: ranks (default 4)")
-    parser.add_argument("--loop-rank", type=int, default=2, metavar="R", help="--loops: the throttled rank (default 2)")
+    parser.add_argument("--loop-rank", type=int, default=2, metavar="R",
+                        help="--loops: the throttled or slowed rank (default 2)")
     parser.add_argument("--loop-fraction", type=float, default=None, metavar="CORES",
                         help="--loops: the throttled rank's CPU quota in cores (default per loop, 0.15 for "
                              "hf_trainer and 0.2 for the others: 4 ranks on 2 cores use about half a core each, and "
@@ -285,9 +296,6 @@ def run_from_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser
     kinds = [k for k in args.loop_scenarios.split(",") if k]
     if unknown or not names:
         parser.error(f"--loops: unknown {unknown or names}; choose from {', '.join(LOOPS)} or all")
-    if "inject" in kinds:
-        parser.error("--loop-scenarios inject: the launcher has no in-process injector (inject.py is a plugin of "
-                     "pretrain_gpt.py); use throttle, a fault from outside")
     if not kinds or set(kinds) - set(SCENARIOS):
         parser.error(f"--loop-scenarios takes {', '.join(SCENARIOS)}, got {args.loop_scenarios!r}")
     if args.repeat < 1 or args.loop_steps < 1 or not 0 <= args.loop_rank < args.loop_nproc \

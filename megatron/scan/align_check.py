@@ -149,7 +149,7 @@ class Judge:
 # before all members started it (broadcast, reduce, gather and scatter depend on their root only).
 ALL_DEPENDENT = frozenset({"all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
                            "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all", "all_to_all_single",
-                           "barrier", "monitored_barrier"})
+                           "barrier", "monitored_barrier", "all_gather_single", "reduce_scatter_single"})
 # Timestamps, and the reference pairs that make them wall clock, are good to a few µs; a bound is
 # the least of many differences of them, so noise alone breaks it by a few µs, never by this much.
 TOLERANCE_US = 20.0

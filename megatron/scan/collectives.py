@@ -22,6 +22,8 @@ COLLECTIVE_FUNCTIONS: tuple[str, ...] = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
     "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "reduce", "all_to_all",
     "all_to_all_single", "barrier", "monitored_barrier", "gather", "scatter",
+    # torch 2.13's names for the one-tensor forms, which FSDP2 (fully_shard) calls
+    "all_gather_single", "reduce_scatter_single",
 )
 # Where the originals are looked up and replaced: the public module and c10d itself (so that one
 # collective implemented through another is seen once, thanks to the reentrancy guard).

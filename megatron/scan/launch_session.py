@@ -148,6 +148,7 @@ class LaunchSession:
         self.metrics = None
         self._undo_steps = None
         self.spans: ModelSpans | None = None
+        self.fault = None  # --inject-slowdown's DeviceFault on this rank
         self._compute_noted = False
         self._layout_known = False
         self.iteration = 0
@@ -168,9 +169,9 @@ class LaunchSession:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         # Without a model of the program's parallelism every rank is a data-parallel replica; the
         # groups each collective ran on are in the trace, which is what matching needs. Rank 0's
-        # run id is the job's: each node's `launch` made its own. No layer scopes here, whatever
-        # --trace-granularity says: the header names what is recorded (coarse once the model's
-        # spans are found, megatron-core's with its schedule).
+        # run id is the job's: each node's `launch` made its own. Layer scopes come with the model
+        # (its repeated blocks, at --trace-granularity full); the header names what is recorded
+        # (full or coarse once the model's spans are found, megatron-core's with its schedule).
         self.session = session = start_trace(
             self.options.trace, rank=rank, world_size=world_size, run_id=self.run_id,
             coordinates={"dp": rank, "pp": 0, "tp": 0}, sizes={"dp": world_size, "pp": 1, "tp": 1, "vpp": 1},
@@ -188,8 +189,10 @@ class LaunchSession:
             tracer.collectives.listeners.append(self.watchdog.on_collective)
         if self.options.metrics_port is not None:
             self._start_metrics(identity)
+        self.fault = self._device_fault(rank)
         if os.environ.get("MEGASCAN_MODEL_SPANS", "1") != "0":
-            self.spans = ModelSpans(tracer, rank).install()
+            self.spans = ModelSpans(tracer, rank, layers=self.options.trace.granularity == "full",
+                                    fault=self.fault).install()
         self._hook_optimizers()
         hook_ddp(self)
         if os.environ.get("MEGASCAN_MCORE_HOOKS", "1") != "0":
@@ -197,6 +200,17 @@ class LaunchSession:
         self._iteration_start = time.perf_counter_ns()
         tracer.begin_iteration(0)
         atexit.register(self.close, "exit")
+
+    def _device_fault(self, rank: int):
+        """`--inject-slowdown` for this rank: an inject.DeviceFault, told each step's number."""
+        from megatron.scan.inject import DeviceFault, Slowdown
+
+        slowdowns = [s for s in map(Slowdown.parse, self.options.inject_slowdown) if s.rank == rank]
+        if not slowdowns:
+            return None
+        fault = DeviceFault(slowdowns)
+        fault.begin_iteration(0)
+        return fault
 
     def _start_metrics(self, identity: dict[str, Any]) -> None:
         from megatron.scan.control import read_control_token
@@ -252,6 +266,8 @@ class LaunchSession:
             tracer.end_iteration(self.iteration, {"iteration_time": seconds})
             self.iteration += 1
             self._iteration_start = now
+            if self.fault is not None:
+                self.fault.begin_iteration(self.iteration)
             tracer.begin_iteration(self.iteration)
         if self.watchdog is not None:
             self.watchdog.set_iteration(self.iteration)
@@ -263,7 +279,8 @@ class LaunchSession:
         no window was written; after that the header stays as it is)."""
         self._compute_noted = True
         writer = self.tracer.writer
-        fields: dict[str, Any] = {"trace": {**writer.header.get("trace", {}), "granularity": "coarse"},
+        granularity = "full" if self.tracer.layer_scopes is not None else "coarse"
+        fields: dict[str, Any] = {"trace": {**writer.header.get("trace", {}), "granularity": granularity},
                                   "num_microbatches": microbatches}
         if self.spans is not None and self.spans.device_timed:
             fields["timing"] = "cuda-events+host-monotonic"  # compute and optimizer on CUDA events

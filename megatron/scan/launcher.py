@@ -54,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-control-token-file", default=None, metavar="FILE",
                    help="accept POST /capture on rank 0's metrics port from callers presenting the token in FILE "
                         "(`Authorization: Bearer TOKEN`); without it the port is read-only")
+    g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR[:START_STEP]",
+                   help="validation: make global rank RANK's device FACTOR x slower from optimizer step START_STEP "
+                        "on (default 0): each call of the model's repeated blocks (its transformer layers) takes "
+                        "FACTOR x as long, or each forward and backward where no such blocks are found; "
+                        "repeatable (factors compound)")
     g.add_argument("--print-env", action="store_true",
                    help="print the environment-variable form instead of running COMMAND")
     parser.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="torchrun ... script.py args")
@@ -79,12 +84,19 @@ def launch_options(args: argparse.Namespace) -> LaunchOptions:
             read_control_token(token_file)
         except ValueError as exc:
             problems.append(str(exc))
+    from megatron.scan.inject import Slowdown
+
+    for text in args.inject_slowdown:
+        try:
+            Slowdown.parse(text)
+        except ConfigError as exc:
+            problems.append(str(exc).replace("(e.g. 2:1.5:10)", "(e.g. 2:1.25: rank 2 computes 1.25x slower)"))
     if problems:
         raise ConfigError("; ".join(problems))
     # Launched jobs always trace; workers may start in another directory.
     trace = dataclasses.replace(trace, enabled=True, directory=trace.directory.resolve())
     return LaunchOptions(trace=trace, hang_timeout=args.hang_timeout, metrics_port=args.metrics_port,
-                         metrics_control_token_file=token_file)
+                         metrics_control_token_file=token_file, inject_slowdown=tuple(args.inject_slowdown))
 
 
 def launch_environment(options: LaunchOptions, base: dict[str, str] | None = None) -> dict[str, str]:

@@ -18,6 +18,30 @@ def transformer_layers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Modul
     return layers
 
 
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The stack of repeated blocks a model is built from (its transformer layers), for any
+    PyTorch model: megatron-core's TransformerLayers where there are any; else, of the module
+    lists and sequentials in it whose children are two or more modules of one class, each with
+    parameters and submodules of its own (a block, not a bare Linear), the one holding the most
+    parameters (a GPT-2 `h`, a Llama `layers`). Empty when there is none."""
+    layers = transformer_layers([model])
+    if layers:
+        return layers
+    best: tuple[int, list[torch.nn.Module]] | None = None
+    for module in model.modules():
+        if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        children = list(module.children())
+        if len(children) < 2 or len({type(child) for child in children}) != 1:
+            continue
+        if not all(any(True for _ in child.children()) for child in children):
+            continue
+        size = sum(p.numel() for child in children for p in child.parameters())
+        if size and (best is None or size > best[0]):
+            best = (size, children)
+    return best[1] if best is not None else []
+
+
 def _first_tensor(value) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor):
         return value
@@ -175,9 +199,15 @@ class LayerScopes(LayerWatcher):
     """`layer_forward` / `layer_backward` events of every transformer layer, with the (microbatch,
     chunk) context of the forward call; attached only inside traced windows."""
 
-    def __init__(self, tracer, layers: Sequence[torch.nn.Module]) -> None:
+    def __init__(self, tracer, layers: Sequence[torch.nn.Module], *, numbered: bool = False) -> None:
+        """`numbered`: number the layers 1.. in the given order (for blocks without
+        megatron-core's `layer_number`)."""
         self.tracer = tracer
         self.layers = list(layers)
+        self._numbers = {id(layer): i + 1 for i, layer in enumerate(self.layers)} if numbered else None
+
+    def number(self, layer: torch.nn.Module) -> int:
+        return self._numbers[id(layer)] if self._numbers is not None else layer.layer_number
 
     def attach(self) -> None:
         watch_layers(self.layers, self)
@@ -191,7 +221,7 @@ class LayerScopes(LayerWatcher):
     def forward_end(self, layer, begun):
         tracer = self.tracer
         context = tracer.context
-        tracer.record_layer("layer_forward", begun, tracer.mark(), layer.layer_number, context)
+        tracer.record_layer("layer_forward", begun, tracer.mark(), self.number(layer), context)
         return context
 
     def backward_begin(self, layer, context, chained):
@@ -200,5 +230,5 @@ class LayerScopes(LayerWatcher):
 
     def backward_end(self, layer, context, begun):
         end = self.tracer.mark()
-        self.tracer.record_layer("layer_backward", begun, end, layer.layer_number, context)
+        self.tracer.record_layer("layer_backward", begun, end, self.number(layer), context)
         return end

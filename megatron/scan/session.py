@@ -153,11 +153,13 @@ class LaunchOptions:
     hang_timeout: float = DEFAULT_HANG_TIMEOUT_S
     metrics_port: int | None = None
     metrics_control_token_file: str | None = None
+    inject_slowdown: tuple[str, ...] = ()  # RANK:FACTOR[:START_STEP] (validation: a slower device)
 
     def to_json(self) -> str:
         return json.dumps({"version": _SESSION_VERSION, "trace": self.trace.to_dict(),
                            "hang_timeout": self.hang_timeout, "metrics_port": self.metrics_port,
-                           "metrics_control_token_file": self.metrics_control_token_file},
+                           "metrics_control_token_file": self.metrics_control_token_file,
+                           "inject_slowdown": list(self.inject_slowdown)},
                           separators=(",", ":"), sort_keys=True)
 
     @classmethod
@@ -168,7 +170,8 @@ class LaunchOptions:
                              f"{_SESSION_VERSION} (the launch command and the workers run different versions?)")
         return cls(trace=TraceConfig.from_dict(data["trace"]), hang_timeout=float(data["hang_timeout"]),
                    metrics_port=data.get("metrics_port"),
-                   metrics_control_token_file=data.get("metrics_control_token_file"))
+                   metrics_control_token_file=data.get("metrics_control_token_file"),
+                   inject_slowdown=tuple(data.get("inject_slowdown", ())))
 
 
 class TraceSession:

@@ -1,8 +1,9 @@
 """Training loops this project did not write, run the way their users run them (torchrun, CPU,
 gloo, each library setting up DDP itself) under the zero-code launcher, `python -m megatron.scan
 launch -- torchrun ...`: Hugging Face `transformers.Trainer`, PyTorch Lightning's `Trainer` with
-its DDP strategy, pytorch-ignite's `create_supervised_trainer`, and a plain DDP script with
-gradient accumulation under `no_sync` as the baseline (scripts in tests/scan/loops/). Each job
+its DDP strategy, pytorch-ignite's `create_supervised_trainer`, and as baselines a plain DDP script
+with gradient accumulation under `no_sync` and an FSDP2 (`fully_shard`) script over gloo (scripts
+in tests/scan/loops/). Each job
 must succeed with a finished trace file per rank that aggregates with every collective matched
 and runs detection, and every traced iteration must hold a forward and a backward span per
 microbatch."""
@@ -40,7 +41,11 @@ LOOPS = [
     Loop("hf_trainer", "hf_trainer.py", "transformers"),
     Loop("lightning", "lightning_ddp.py", "lightning"),
     Loop("ignite", "ignite_trainer.py", "ignite"),
+    Loop("fsdp2", "fsdp2.py", ""),
 ]
+# Loops whose model is built of repeated blocks (GPT-2's `h`, the FSDP2 script's `blocks`), and how
+# many: the launcher records each block's calls, as `--trace-granularity full` does in the trainer.
+BLOCKS = {"hf_trainer": 2, "fsdp2": 2}
 
 
 def launch_loop(loop: Loop, trace_dir: Path, steps: int = STEPS) -> subprocess.CompletedProcess:
@@ -117,11 +122,13 @@ def test_every_rank_traced(launched):
 
 def test_gradient_all_reduce_every_step(launched):
     """DDP's gradient buckets are in the trace (through the launcher's comm hook) in every traced
-    step: at least one all-reduce of the model's gradient size per step on every rank."""
+    step: at least one all-reduce of the model's gradient size per step on every rank (FSDP2's
+    gradients: a reduce-scatter per block)."""
     loop, trace_dir = launched
+    op = "reduce_scatter_single" if loop.name == "fsdp2" else "all_reduce"
     for rank, trace in rank_files(trace_dir).items():
         c = trace.columns
-        rows = c["name"] == trace.names.index("all_reduce")
+        rows = c["name"] == trace.names.index(op)
         biggest = int(c["bytes"][rows].max())
         assert biggest > 10_000, (loop.name, rank, biggest)  # gradients, not a logged scalar
         per_step = {it: int(((c["iteration"] == it) & rows & (c["bytes"] == biggest)).sum())
@@ -174,3 +181,24 @@ def test_forward_backward_per_microbatch(launched):
         forward = np.sort(c["start_ns"][c["name"] == trace.names.index("forward")])
         backward = np.sort(c["start_ns"][c["name"] == trace.names.index("backward")])
         assert len(forward) == len(backward) and (backward > forward).all(), (loop.name, rank)
+
+
+def test_the_models_blocks_are_traced_per_call(launched):
+    """Where the model is built of repeated blocks, every traced iteration holds a layer_forward
+    and a layer_backward per block and microbatch (the first block's backward too: its input is
+    an embedding's output), numbered 1.., and the header says `full`; a flat MLP has none and
+    says `coarse`."""
+    loop, trace_dir = launched
+    for rank, trace in rank_files(trace_dir).items():
+        c = trace.columns
+        blocks = BLOCKS.get(loop.name, 0)
+        assert trace.header["trace"]["granularity"] == ("full" if blocks else "coarse"), (loop.name, trace.header)
+        for kind in ("layer_forward", "layer_backward"):
+            if not blocks:
+                assert kind not in trace.names, (loop.name, rank, kind)
+                continue
+            rows = c["name"] == trace.names.index(kind)
+            for it in completed_iterations(trace):
+                in_it = rows & (c["iteration"] == it)
+                assert int(in_it.sum()) == blocks * ACCUM, (loop.name, rank, kind, it, int(in_it.sum()))
+                assert sorted(set(c["layer"][in_it].tolist())) == list(range(1, blocks + 1))
