@@ -195,6 +195,9 @@ class ModelSpans:
         if tracer.active:  # the window started on the host timer: give the events their reference now
             timer.window_start()
         tracer.timer = timer
+        # Block spans (LayerScopes) read tracer.mark when they fire; the collective and P2P observers
+        # took the host clock's at installation and keep it.
+        tracer.mark = timer.mark
         if getattr(tracer, "gpu", None) is not None:  # opened without a device; reopened on it next iteration
             tracer.gpu.close()
             tracer.gpu = None

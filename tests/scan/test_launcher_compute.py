@@ -242,6 +242,8 @@ def test_a_cuda_model_switches_the_compute_spans_to_device_time(spans, monkeypat
     tracer.timer = timers.HostTimer()
     spans._use_device_clock(torch.device("cuda", 0))
     assert isinstance(tracer.timer, FakeCudaTimer) and tracer.timer.started == 1 and spans.device_timed
+    # Block spans read tracer.mark when they fire: the device clock too.
+    assert tracer.mark == tracer.timer.mark
     model = torch.nn.Linear(4, 1)
     torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.randn(2, 4)).sum().backward()
