@@ -6,7 +6,7 @@ every 5), healthy and
 with one rank throttled from outside by a cgroup CPU quota (`python -m megatron.scan fault
 throttle`, applied as soon as the rank's process exists), and with one rank's device made slower
 in-process (`launch --inject-slowdown RANK:FACTOR`: each call of the model's repeated blocks takes
-FACTOR x as long, or each forward and backward of a model without such blocks), each --repeat
+FACTOR x as long, or each call of a module holding parameters in a model without blocks), each --repeat
 times, round-robin. Per loop and scenario: the job's slowdown against the loop's healthy runs,
 runs in which the faulty rank was named first, runs in which any healthy rank was named, and the
 verdicts.

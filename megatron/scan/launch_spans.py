@@ -44,14 +44,13 @@ class ModelSpans:
     def __init__(self, tracer: Any, rank: int = 0, *, layers: bool = False, fault: Any = None) -> None:
         """`layers`: also record each call of the model's repeated blocks (`layer_forward` /
         `layer_backward`, as --trace-granularity full does in the trainer); `fault`: an
-        inject.DeviceFault slowing this rank's compute (per block, else per forward/backward)."""
+        inject.DeviceFault slowing this rank's compute (per block, else per module that holds
+        parameters)."""
         self.tracer = tracer
         self.rank = rank
         self.layers = layers
         self.fault = fault
         self.blocks: list[torch.nn.Module] = []
-        self._fault_begun: float | None = None
-        self._in_fault = False  # a backward being timed for the fault
         # Host clock until a model with CUDA parameters is found, then CUDA events (the trainer's timers).
         self.mark: Callable[[], Any] = time.perf_counter_ns
         self.flags = 0
@@ -160,30 +159,19 @@ class ModelSpans:
             from megatron.scan.inject import Burner, _ranks_outnumber_cores
 
             self.fault.burner = Burner(device, oversubscribed=_ranks_outnumber_cores())
-            if self.blocks:
-                self.fault.attach(self.blocks)
-            where = (f"per block ({len(self.blocks)} {type(self.blocks[0]).__name__})" if self.blocks
-                     else "at the end of each forward/backward of the model: no repeated blocks found")
+            # Without blocks, every module that holds parameters itself (the Linears of an MLP):
+            # the time is then spent inside autograd too, before DDP issues the buckets it feeds,
+            # as a slower device's would be (not in the wait for the all-reduce after the last).
+            targets = self.blocks or [m for m in module.modules()
+                                      if any(True for _ in m.parameters(recurse=False))
+                                      and not any(True for _ in m.children())]
+            self.fault.attach(targets)
+            kinds = sorted({type(m).__name__ for m in targets})
+            where = (f"per block ({len(targets)} {kinds[0]})" if self.blocks else
+                     f"per module with parameters ({len(targets)}: {', '.join(kinds)}; no repeated blocks found)")
             for slowdown in self.fault.slowdowns:
                 print(f"[inject] rank {self.rank}: compute x{slowdown.factor:g} from step {slowdown.start_iteration}, "
                       f"{where} ({self.fault.burner.mode})", file=sys.stderr, flush=True)
-            if not self.blocks:  # inside the model's forward span: our pre-hook is first, post-hook last
-                pre = module.register_forward_pre_hook(self._fault_forward_begins)
-                post = module.register_forward_hook(self._fault_forward_ends, prepend=True, always_call=True)
-                self._undo += [pre.remove, post.remove]
-
-    def _whole_model_fault(self) -> bool:
-        """A fault with no blocks to work inside: its time goes at the end of each forward and
-        backward of the model, traced or not."""
-        return self.fault is not None and not self.blocks and self.model is not None
-
-    def _fault_forward_begins(self, module: torch.nn.Module, args: tuple) -> None:
-        self._fault_begun = self.fault.burner.clock() if torch.is_grad_enabled() and not self._in_fault else None
-
-    def _fault_forward_ends(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        begun, self._fault_begun = self._fault_begun, None
-        if begun is not None:
-            self.fault.compute_done(self.fault.burner.since(begun))
 
     def _use_device_clock(self, device: torch.device) -> None:
         """CUDA events for the compute spans: the host only sees kernels launched. Collectives keep the
@@ -261,27 +249,17 @@ class ModelSpans:
 
         def backward(*args, **kwargs):
             tracer = spans.tracer
-            faulty = spans._whole_model_fault() and not spans._in_fault
             # Only a backward after a traced forward of the model: not a second loss, not a nested one.
             if spans._in_backward or spans.backwards >= spans.forwards or spans.deferred or not tracer.active:
-                if not faulty:
-                    return original(*args, **kwargs)
-                spans._in_fault, begun = True, spans.fault.burner.clock()
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    spans._in_fault = False
-                    spans.fault.compute_done(spans.fault.burner.since(begun))
+                return original(*args, **kwargs)
             microbatch, context = spans.backwards, tracer.context
             tracer.context = (microbatch, 0)
             spans._last_issue = None
             spans._in_backward = True
-            start, begun = spans.mark(), (spans.fault.burner.clock() if faulty else None)
+            start = spans.mark()
             try:
                 return original(*args, **kwargs)
             finally:
-                if faulty:  # inside the span, as a slower device's time would be
-                    spans.fault.compute_done(spans.fault.burner.since(begun))
                 end = spans.mark()
                 spans._in_backward = False
                 issued, spans._last_issue = spans._last_issue, None

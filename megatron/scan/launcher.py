@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR[:START_STEP]",
                    help="validation: make global rank RANK's device FACTOR x slower from optimizer step START_STEP "
                         "on (default 0): each call of the model's repeated blocks (its transformer layers) takes "
-                        "FACTOR x as long, or each forward and backward where no such blocks are found; "
+                        "FACTOR x as long, or each call of a module holding parameters (a Linear) where the model "
+                        "has no such blocks; "
                         "repeatable (factors compound)")
     g.add_argument("--print-env", action="store_true",
                    help="print the environment-variable form instead of running COMMAND")
