@@ -8,7 +8,8 @@ from dataclasses import replace
 import numpy as np
 
 from megatron.scan.detect.combine import detect
-from megatron.scan.detect.compute import peer_comparison, typical_ratios
+from megatron.scan.detect.compute import peer_comparison
+from megatron.scan.detect.typical import typical_ratios
 from megatron.scan.detect.report import suspect_ranks, text_report
 
 from tests.scan.test_detect_signals import data, table

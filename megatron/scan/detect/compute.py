@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron.scan.detect.model import DetectionInput
+from megatron.scan.detect.typical import stage_typical, typical_ratios
 
 _MAD = 1.4826  # MAD -> standard deviation for normal noise
 # Standard errors a rank's median per-iteration ratio to its peers must stand above zero to be named.
@@ -127,7 +128,7 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
             instance_ratio = matrix[valid, j] - np.nanmedian(others[valid], axis=1) if valid.any() else np.zeros(0)
             own = totals[:, j] if len(iterations) else np.zeros(0)
             compared[int(rank)] = (per_iteration, iterations, instance_ratio, peers, keys[valid], own)
-        typical.update(_stage_typical(data, ranks, in_stage))
+        typical.update(stage_typical(data, ranks, in_stage))
     iteration_noise = series_noise([r for r, *_ in compared.values()], default=0.1)
     typical_noise = series_noise([r for _, r in typical.values()], default=0.1)
     host_of = {int(rank): data.roles[int(rank)].host if int(rank) in data.roles else ""
@@ -168,69 +169,6 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
                         typical_noise=typical_noise if typical or any(f.method == "layers" for f in findings.values())
                         else float("nan"), layer_typical=bool(len(data.layers["rank"])), cannot_compare=cannot,
                         notes=notes)
-
-
-def _group_median(values: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(group ids, median of `values` in each), nan values left out."""
-    keep = ~np.isnan(values)
-    values, groups = values[keep], groups[keep]
-    if not len(values):
-        return np.zeros(0, dtype=groups.dtype), np.zeros(0)
-    order = np.lexsort((values, groups))
-    g, v = groups[order], values[order]
-    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
-    counts = np.diff(np.r_[starts, len(g)])
-    return g[starts], (v[starts + (counts - 1) // 2] + v[starts + counts // 2]) / 2
-
-
-def typical_ratios(rank: np.ndarray, iteration: np.ndarray, call: np.ndarray, busy: np.ndarray,
-                   ranks: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """The typical call, compared: per iteration and call (`call`: one id per kind of call that
-    runs the same kernels, e.g. the backward of layer 3), each rank's median log busy time over
-    its calls of that kind against the median of its peers' (`ranks`); per iteration, the median
-    of those log ratios over the kinds of call. A device that is steadily slower runs every call
-    slower and moves this fully; a rank preempted now and then on a busy host has a few long
-    calls, which move the iteration's total but hardly its median call. rank -> (iterations,
-    per-iteration log ratio)."""
-    ranks = np.asarray(sorted(int(r) for r in ranks))
-    sel = np.isin(rank, ranks)
-    if not sel.any():
-        return {}
-    keys, key_of = np.unique(np.column_stack([iteration[sel], call[sel]]), axis=0, return_inverse=True)
-    key_of = key_of.reshape(-1)
-    col = np.searchsorted(ranks, rank[sel])
-    cell, medians = _group_median(np.log(np.maximum(busy[sel], 1).astype(np.float64)), key_of * len(ranks) + col)
-    matrix = np.full((len(keys), len(ranks)), np.nan)  # [iteration and call, rank] median log busy
-    matrix[cell // len(ranks), cell % len(ranks)] = medians
-    out = {}
-    for j, r in enumerate(ranks):
-        others = np.delete(matrix, j, axis=1)
-        valid = ~np.isnan(matrix[:, j]) & (np.sum(~np.isnan(others), axis=1) > 0)
-        if not valid.any():
-            continue
-        ratio = matrix[valid, j] - np.nanmedian(others[valid], axis=1)
-        iterations, series = _group_median(ratio, keys[valid, 0])
-        out[int(r)] = (iterations, series)
-    return out
-
-
-def _stage_typical(data: DetectionInput, ranks: np.ndarray, in_stage: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """typical_ratios of one stage's ranks: over transformer-layer calls (per layer and direction)
-    where every rank of the stage has them, else over its forward/backward tasks."""
-    layers = data.layers
-    if len(layers["rank"]) and np.isin(ranks, layers["rank"]).all():
-        return typical_ratios(layers["rank"], layers["iteration"], _call_ids(layers["kind"], layers["layer"]),
-                              layers["busy"], ranks)
-    t = data.compute
-    call = _call_ids(t["kind"][in_stage], t["chunk"][in_stage], t["microbatch"][in_stage])
-    return typical_ratios(t["rank"][in_stage], t["iteration"][in_stage], call, t["busy"][in_stage], ranks)
-
-
-def _call_ids(*columns: np.ndarray) -> np.ndarray:
-    """One integer per distinct combination of the columns."""
-    if not len(columns[0]):
-        return np.zeros(0, dtype=np.int64)
-    return np.unique(np.column_stack(columns), axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
 
 
 def _layer_peers(data: DetectionInput, lonely: list[int], z_rank: float, min_slowdown: float,

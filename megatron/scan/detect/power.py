@@ -26,7 +26,7 @@ class Power:
     needed: int  # iterations at which that slowdown would have been named
     method: str  # "peers" | "layers": what the ranks were compared with
     # A rank slower in every call (a steadily slower device) also shows in its typical call (see
-    # compute.typical_ratios), a far quieter series: its noise and the iterations it needs, and
+    # typical.typical_ratios), a far quieter series: its noise and the iterations it needs, and
     # what the call is ("" where no typical call was compared). `healthy` asks for the totals'
     # power, which a slowdown of any shape, bursts included, needs.
     steady_measure: str = ""

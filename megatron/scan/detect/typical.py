@@ -1,0 +1,71 @@
+"""The typical call of each rank against its peers': a device slower in every call (lower clocks
+under a power cap or heat) moves it fully, host preemption (a few calls many times their length)
+hardly at all. compute.peer_comparison judges it beside the busy totals, which catch bursts."""
+from __future__ import annotations
+
+import numpy as np
+
+from megatron.scan.detect.model import DetectionInput
+
+
+def _group_median(values: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(group ids, median of `values` in each), nan values left out."""
+    keep = ~np.isnan(values)
+    values, groups = values[keep], groups[keep]
+    if not len(values):
+        return np.zeros(0, dtype=groups.dtype), np.zeros(0)
+    order = np.lexsort((values, groups))
+    g, v = groups[order], values[order]
+    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+    counts = np.diff(np.r_[starts, len(g)])
+    return g[starts], (v[starts + (counts - 1) // 2] + v[starts + counts // 2]) / 2
+
+
+def typical_ratios(rank: np.ndarray, iteration: np.ndarray, call: np.ndarray, busy: np.ndarray,
+                   ranks: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """The typical call, compared: per iteration and call (`call`: one id per kind of call that
+    runs the same kernels, e.g. the backward of layer 3), each rank's median log busy time over
+    its calls of that kind against the median of its peers' (`ranks`); per iteration, the median
+    of those log ratios over the kinds of call. A device that is steadily slower runs every call
+    slower and moves this fully; a rank preempted now and then on a busy host has a few long
+    calls, which move the iteration's total but hardly its median call. rank -> (iterations,
+    per-iteration log ratio)."""
+    ranks = np.asarray(sorted(int(r) for r in ranks))
+    sel = np.isin(rank, ranks)
+    if not sel.any():
+        return {}
+    keys, key_of = np.unique(np.column_stack([iteration[sel], call[sel]]), axis=0, return_inverse=True)
+    key_of = key_of.reshape(-1)
+    col = np.searchsorted(ranks, rank[sel])
+    cell, medians = _group_median(np.log(np.maximum(busy[sel], 1).astype(np.float64)), key_of * len(ranks) + col)
+    matrix = np.full((len(keys), len(ranks)), np.nan)  # [iteration and call, rank] median log busy
+    matrix[cell // len(ranks), cell % len(ranks)] = medians
+    out = {}
+    for j, r in enumerate(ranks):
+        others = np.delete(matrix, j, axis=1)
+        valid = ~np.isnan(matrix[:, j]) & (np.sum(~np.isnan(others), axis=1) > 0)
+        if not valid.any():
+            continue
+        ratio = matrix[valid, j] - np.nanmedian(others[valid], axis=1)
+        iterations, series = _group_median(ratio, keys[valid, 0])
+        out[int(r)] = (iterations, series)
+    return out
+
+
+def stage_typical(data: DetectionInput, ranks: np.ndarray, in_stage: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """typical_ratios of one stage's ranks: over transformer-layer calls (per layer and direction)
+    where every rank of the stage has them, else over its forward/backward tasks."""
+    layers = data.layers
+    if len(layers["rank"]) and np.isin(ranks, layers["rank"]).all():
+        return typical_ratios(layers["rank"], layers["iteration"], _call_ids(layers["kind"], layers["layer"]),
+                              layers["busy"], ranks)
+    t = data.compute
+    call = _call_ids(t["kind"][in_stage], t["chunk"][in_stage], t["microbatch"][in_stage])
+    return typical_ratios(t["rank"][in_stage], t["iteration"][in_stage], call, t["busy"][in_stage], ranks)
+
+
+def _call_ids(*columns: np.ndarray) -> np.ndarray:
+    """One integer per distinct combination of the columns."""
+    if not len(columns[0]):
+        return np.zeros(0, dtype=np.int64)
+    return np.unique(np.column_stack(columns), axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
