@@ -26,7 +26,9 @@ if [ "${WEB_TESTS:-$default_web}" = 1 ] && [ "${TEST_SETUP:-1}" != 0 ]; then
 fi
 
 status=0
-python -m pytest -q --timeout 900 "${@:-tests}" || status=$?
+# The 25 slowest tests are listed at the end of every run (tests marked `slow` take a minute or more;
+# `-m "not slow"` leaves them out of a quick local loop).
+python -m pytest -q --timeout 900 --durations 25 "${@:-tests}" || status=$?
 if [ "$web_status" -ne 0 ]; then
     echo "MegaScope web app: vitest or the web build FAILED (see above)"
     [ "$status" -ne 0 ] || status=1
