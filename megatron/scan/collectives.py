@@ -119,7 +119,13 @@ class CollectiveObserver:
             info.seq += 1
             recording = observer.recording
             if not recording and not observer.listeners and not spine.wants_collectives():
-                return original(*args, **kwargs)
+                # Still one collective: torch 2.13 builds all_gather_into_tensor on all_gather_single,
+                # whose wrapper must not count it a second time.
+                observer._depth += 1
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    observer._depth -= 1
             seq = info.seq - 1
             size, dtype, async_op = 0, None, False
             if recording:
