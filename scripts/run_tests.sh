@@ -26,7 +26,7 @@ if [ "${WEB_TESTS:-$default_web}" = 1 ] && [ "${TEST_SETUP:-1}" != 0 ]; then
 fi
 
 status=0
-# The 25 slowest tests are listed at the end of every run (tests marked `slow` take a minute or more;
+# The 25 slowest tests are listed at the end of every run (tests marked `slow` take 25 s or more;
 # `-m "not slow"` leaves them out of a quick local loop).
 python -m pytest -q --timeout 900 --durations 25 "${@:-tests}" || status=$?
 if [ "$web_status" -ne 0 ]; then

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -71,7 +72,9 @@ class CollectiveObserver:
         self.recording = False
         self.groups: dict[int, GroupInfo] = {}
         self._by_object: dict[int, tuple[Any, GroupInfo]] = {}
-        self._depth = 0
+        # Per thread: a collective in progress on one thread (its inner calls not counted again)
+        # says nothing of another thread's.
+        self._local = threading.local()
         self._originals: dict[str, Callable] = {}
         self._wrappers: dict[int, Callable] = {}  # id(original) -> wrapper
         self._rebound: list[tuple[Any, str, Any]] = []
@@ -95,6 +98,14 @@ class CollectiveObserver:
         return info
 
     # --- wrapping ---------------------------------------------------------------------
+    @property
+    def _depth(self) -> int:
+        return getattr(self._local, "depth", 0)
+
+    @_depth.setter
+    def _depth(self, value: int) -> None:
+        self._local.depth = value
+
     def _wrap(self, op: str, original: Callable) -> Callable:
         signature = inspect.signature(original)
         parameters = list(signature.parameters)

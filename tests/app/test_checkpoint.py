@@ -23,6 +23,7 @@ def _launch(args: list[str]) -> subprocess.Popen:
                             text=True, start_new_session=True)
 
 
+@pytest.mark.slow  # 25-56 s on 2 cores
 def test_kill_and_resume_continues_the_loss_curve_exactly(tmp_path):
     reference = torchrun("pretrain_gpt.py", RUN, nproc=4)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]

@@ -43,6 +43,7 @@ def gpt_command(corpus: dict, checkpoints, tensorboard, iterations: int) -> list
     ]
 
 
+@pytest.mark.slow  # 25-56 s on 2 cores
 def test_gpt_command_line_fp16_save_and_resume(demo_corpus, tmp_path):
     checkpoints, tensorboard = tmp_path / "checkpoints", tmp_path / "tensorboard"
     proc = torchrun("pretrain_gpt.py", gpt_command(demo_corpus, checkpoints, tensorboard, 24), nproc=4, timeout=400)

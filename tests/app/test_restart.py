@@ -48,6 +48,7 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_curve_continues_exactly(
     assert (tmp_path / "killed" / "latest_checkpointed_iteration.txt").read_text().strip() == "16"
 
 
+@pytest.mark.slow  # 25-56 s on 2 cores
 def test_a_traced_restart_is_one_run_with_the_rolled_back_iterations_left_out(tmp_path):
     """MegaScan across the restart: the restarted attempt's files join the first attempt's run (one
     run id, one merged trace), the iterations the restart rolled back are left out so each iteration
@@ -79,6 +80,7 @@ def test_a_traced_restart_is_one_run_with_the_rolled_back_iterations_left_out(tm
     assert not list(trace.glob("hang-*"))
 
 
+@pytest.mark.slow  # 25-56 s on 2 cores
 def test_two_nodes_restart_together_under_c10d_rendezvous(tmp_path, expected):
     """Two `torchrun --nnodes 2 --rdzv-backend c10d` nodes, rank 3 (node 1) killed: node 1's agent
     counts a restart, node 0's restarts its workers because node 1 is waiting and does not, so the

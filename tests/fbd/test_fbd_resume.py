@@ -14,6 +14,7 @@ DROPOUT = ("--hidden-dropout", "0.1")  # the forward instance's RNG stream must 
     (4, ("--pipeline-model-parallel-size", "2")),
     (3, ("--tensor-model-parallel-size", "2", "--ignore-forward-tensor-parallel")),
 ], ids=["pp2", "tp2-merged-forward"])
+@pytest.mark.slow  # 25-56 s on 2 cores
 def test_resume_continues_the_uninterrupted_curve(request, nproc, layout):
     name = f"resume-{request.node.callspec.id}"
     args = (*layout, "--forward-backward-disaggregating", *DROPOUT)

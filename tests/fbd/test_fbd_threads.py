@@ -36,6 +36,7 @@ TP2_PP2 = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size"
     ("tp2-pp2-merged", 5, (*TP2_PP2, "--ignore-forward-tensor-parallel", "--forward-instances-per-process", "2"),
      4, TP2_PP2),
 ])
+@pytest.mark.slow  # 25-56 s on 2 cores
 def test_threaded_layouts_equal_the_baseline(name, nproc, threaded, baseline_nproc, baseline_layout):
     run = launch(f"{name}-threaded-fbd", nproc, ("--forward-backward-disaggregating", *threaded), iters=10)
     baseline = launch(f"{name}-baseline", baseline_nproc, baseline_layout, iters=10)

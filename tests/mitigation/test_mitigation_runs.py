@@ -43,6 +43,7 @@ def changes(text: str) -> list[tuple[int, list[int]]]:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.slow  # 25-56 s on 2 cores
 def test_loss_curve_is_the_plain_runs_with_a_rank_slowed(layout):
     args = [*MODEL, *LAYOUTS[layout]]
     plain = torchrun("pretrain_gpt.py", args, 4)
@@ -83,6 +84,7 @@ def test_flags_are_checked():
 
 
 @pytest.mark.skipif(writable_hierarchy() is None, reason="needs a writable cgroup cpu hierarchy (root)")
+@pytest.mark.slow  # 25-56 s on 2 cores
 def test_a_rank_throttled_from_outside_gets_fewer_microbatches_until_it_recovers():
     from megatron.scan.fault import cgroups
 
