@@ -1,6 +1,8 @@
 """Typed run configuration, built once from the command line and validated up front.
 
-Every component gets its own small dataclass; nothing reads a global args object. The module is
+Every component gets its own small dataclass; nothing reads a global args object. The sections
+are frozen: the one change after the command line, a plugin's `configure_layout`, returns a new
+config (`dataclasses.replace`), before `validate`. The module is
 over 400 lines because those sections and `validate`, which checks them together (every problem
 named at once, before any work), belong in one place.
 """
@@ -20,7 +22,7 @@ class ConfigError(ValueError):
     """The launch configuration cannot work; the message lists every problem found."""
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -133,7 +135,7 @@ def layer_split_problems(parallel: ParallelConfig, num_layers: int) -> list[str]
     return problems
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class ModelConfig:
     num_layers: int = 4
     hidden_size: int = 128
@@ -198,7 +200,7 @@ class ModelConfig:
         return ((self.vocab_size + multiple - 1) // multiple) * multiple
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class OptimizerConfig:
     lr: float = 3e-4
     min_lr: float = 0.0
@@ -224,7 +226,7 @@ class OptimizerConfig:
     decoupled_min_lr: float | None = None
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class TrainingConfig:
     micro_batch_size: int = 1
     global_batch_size: int = 8
@@ -240,7 +242,7 @@ class TrainingConfig:
     exit_duration_in_mins: float | None = None
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class CheckpointConfig:
     save: str | None = None
     load: str | None = None
@@ -249,13 +251,13 @@ class CheckpointConfig:
     ckpt_step: int | None = None  # load this iteration from `load` instead of the tracker's latest
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class LoggingConfig:
     tensorboard_dir: str | None = None
     log_throughput: bool = False
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class DataConfig:
     """The data section: its own flags (paths, split, tokenizer, document masking) and the run's
     sizes it builds datasets for (filled from the other sections by config_from_args)."""
@@ -285,7 +287,7 @@ class DataConfig:
     create_attention_mask: bool = False
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class RunConfig:
     parallel: ParallelConfig
     model: ModelConfig

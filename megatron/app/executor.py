@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,36 @@ class StageContext:
 def activation_shape(cfg) -> tuple[int, int, int]:
     """[seq, micro batch, hidden] of the tensor passed between pipeline stages."""
     return (cfg.model.seq_length, cfg.training.micro_batch_size, cfg.model.hidden_size)
+
+
+@dataclass(frozen=True, slots=True)
+class IterationPlan:
+    """What one iteration runs on this rank, handed to `run()`: the pipeline layout (whose
+    microbatch count is this replica's share), the global index of its first microbatch (what
+    `get_microbatch` is asked for is that plus the local index), and the count each microbatch's
+    loss is divided by (None: the layout's count; a microbatch plan passes the even split's, so
+    the step is the even split's whatever this replica's share)."""
+
+    layout: PipelineLayout
+    first_microbatch: int = 0
+    loss_divisor: int | None = None
+
+    @property
+    def divisor(self) -> int:
+        return self.loss_divisor or self.layout.num_microbatches
+
+
+@dataclass(frozen=True, slots=True)
+class LossOptions:
+    """How the last stage turns a microbatch's loss into what backward starts from: `scale` (with
+    --fp16, the optimizer's loss scale) multiplies it; `per_token` (--calculate-per-token-loss)
+    sums token losses, which the trainer later divides by the global batch's token count."""
+
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None
+    per_token: bool = False
+
+
+Handler = Callable[["Action", Callable[[int], "Microbatch"]], None]
 
 
 @dataclass(slots=True)
@@ -85,7 +115,7 @@ class StaticOrder:
     def program(self, executor: "PipelineExecutor", tasks: Sequence[Task], forward_only: bool,
                 step: bool) -> Iterable[Action]:
         stage = executor.stage
-        return lower(stage.layout, stage.pp_rank, tasks, forward_only=forward_only, step=step)
+        return lower(executor.layout, stage.pp_rank, tasks, forward_only=forward_only, step=step)
 
 
 class ActionList:
@@ -106,29 +136,28 @@ class PipelineExecutor:
     An order source turns the iteration's tasks into actions: StaticOrder lowers a fixed order;
     a dynamic source (MegaDPP) yields compute actions as it picks them, with the communication the
     same pass derives. Consecutive SEND/RECV actions are posted as one batch before the next
-    compute action, which blocks only on its own input. Order sources may read `stage`,
-    `transport`, `forward_only`, `input_arrived(task)` and call `flush()`, `idle(timeout)` and
-    `defer(handles)`.
+    compute action, which blocks only on its own input. Order sources may read `stage`, `layout`
+    (the running iteration's), `transport`, `forward_only`, `input_arrived(task)` and call
+    `flush()`, `idle(timeout)` and `defer(handles)`.
 
     Messages are keyed by (task, payload): an activation (F) or gradient (B) by default; a stage
     input (S) or RNG state (R) where a forward hands them to a recomputation on another rank
-    (`hand_off`; RECOMPUTE consumes them). `buffers` makes a receive buffer per payload. A WEIGHTS
-    action has no handler here: the action list that holds one registers it in `handlers`.
+    (`hand_off`; RECOMPUTE consumes them). `buffers` adds a receive buffer maker per payload. A
+    WEIGHTS action has no handler here: the action list that holds one passes it in `handlers`.
+    Everything is given at construction; nothing is set on an executor afterwards.
     """
 
     def __init__(self, chunks: Sequence[torch.nn.Module], stage: StageContext,
-                 transport: Transport | None = None, order=None) -> None:
+                 transport: Transport | None = None, order=None, *, loss: LossOptions = LossOptions(),
+                 handlers: Mapping[Op, Handler] | None = None,
+                 buffers: Mapping[str, Callable[[], torch.Tensor]] | None = None, hand_off: bool = False,
+                 compute_guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
         self.chunks = list(chunks)
         self.stage = stage
         self.transport = transport or TorchDistributedTransport()
         self.order = order or StaticOrder()
-        # --fp16: multiplies the last stage's loss by the loss scale before its backward.
-        self.grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.per_token_loss = False  # --calculate-per-token-loss
-        # Each microbatch's loss is divided by this (None: by the iteration's microbatch count); a
-        # microbatch plan sets the even split's count, whatever this replica's share.
-        self.loss_microbatches: int | None = None
-        self.handlers: dict[Op, Callable[[Action, Callable[[int], Microbatch]], None]] = {
+        self.loss = loss
+        self.handlers: dict[Op, Handler] = {
             Op.FORWARD: self._forward,
             Op.BACKWARD: self._backward,
             Op.SEND: self._queue_send,
@@ -136,10 +165,13 @@ class PipelineExecutor:
             Op.REDUCE_GRADS: self._reduce_grads,
             Op.OPTIMIZER_STEP: self._optimizer_step,
             Op.RECOMPUTE: self._recompute,
+            **(handlers or {}),
         }
-        self.buffers: dict[str, Callable[[], torch.Tensor]] = {payload: stage.empty_activation for payload in "FBS"}
-        self.hand_off = False  # each forward also leaves its stage input (S) and RNG state (R) to send
-        self.compute_guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        self.buffers: dict[str, Callable[[], torch.Tensor]] = {
+            **{payload: stage.empty_activation for payload in "FBS"}, **(buffers or {})}
+        self.hand_off = hand_off  # each forward also leaves its stage input (S) and RNG state (R) to send
+        self.compute_guard = compute_guard
+        self._plan = IterationPlan(stage.layout)
         self.last_order: list[Task] = []  # compute tasks of the last iteration, in run order
         self.last_actions: list[Action] = []  # every action of the last iteration, in run order
         self.peak_stored_activations = 0  # over every iteration run so far
@@ -150,11 +182,23 @@ class PipelineExecutor:
         """What the trainer's start-up line prints as the schedule ("" for a static order)."""
         return getattr(self.order, "name", "")
 
+    @property
+    def layout(self) -> PipelineLayout:
+        """The pipeline layout of the iteration running (or last run): the plan's."""
+        return self._plan.layout
+
     # --- public -----------------------------------------------------------------------
     def run(self, tasks: Sequence[Task], get_microbatch: Callable[[int], Microbatch],
-            forward_only: bool = False, steps: IterationSteps | None = None) -> IterationResult:
+            forward_only: bool = False, steps: IterationSteps | None = None,
+            plan: IterationPlan | None = None) -> IterationResult:
         """One iteration: `tasks` is the static order (a dynamic order source uses only which kinds
-        run); with `steps` the iteration ends with the gradient reduction and the optimizer step."""
+        run); with `steps` the iteration ends with the gradient reduction and the optimizer step.
+        `plan` (default: the stage's layout, microbatches from 0, the layout's loss divisor) says
+        which microbatches run: `get_microbatch` is asked for the plan's global indices."""
+        self._plan = plan or IterationPlan(self.stage.layout)
+        if self._plan.first_microbatch:
+            first, fetch = self._plan.first_microbatch, get_microbatch
+            get_microbatch = lambda mb: fetch(first + mb)  # noqa: E731
         self.forward_only = forward_only
         self._steps = steps
         self._result = IterationResult()
@@ -198,7 +242,7 @@ class PipelineExecutor:
         key = (task, task.kind.value)
         if key in self._inbox:
             return self._inbox[key][1].is_completed()
-        return self.stage.layout.input_source(self.stage.pp_rank, task) is None
+        return self.layout.input_source(self.stage.pp_rank, task) is None
 
     def idle(self, timeout_s: float) -> None:
         """Nothing to run: sleep until any transfer completes (or `timeout_s`)."""
@@ -290,7 +334,7 @@ class PipelineExecutor:
                     self._outbox[(task, "S")] = received
             with get_observer().span("forward", chunk=task.chunk, microbatch=task.microbatch):
                 unwrap_model(chunk).set_input_tensor(received)
-                is_last = self.stage.layout.is_last_stage(self.stage.pp_rank, task.chunk)
+                is_last = self.layout.is_last_stage(self.stage.pp_rank, task.chunk)
                 with torch.set_grad_enabled(train):
                     output = chunk(
                         batch["tokens"], batch["position_ids"], batch["attention_mask"],
@@ -300,10 +344,10 @@ class PipelineExecutor:
                     loss, tokens = microbatch_loss(output, batch)
                     self._result.losses.append(float(loss.detach()))
                     self._result.num_tokens += tokens
-                    if self.per_token_loss:  # summed; the trainer divides by the global batch's tokens
+                    if self.loss.per_token:  # summed; the trainer divides by the global batch's tokens
                         output = (output.float() * batch["loss_mask"]).sum()
                     else:
-                        output = loss / (self.loss_microbatches or self.stage.layout.num_microbatches)
+                        output = loss / self._plan.divisor
                 elif keep_output:
                     self._outbox[(task, task.kind.value)] = output.detach()
         if train:
@@ -313,8 +357,8 @@ class PipelineExecutor:
         task = action.task
         stage_input, output = self._stored.pop((task.chunk, task.microbatch))
         grad_output = self._receive(task)
-        if grad_output is None and self.grad_scale_func is not None:
-            output = self.grad_scale_func(output)
+        if grad_output is None and self.loss.scale is not None:
+            output = self.loss.scale(output)
         with get_observer().span("backward", chunk=task.chunk, microbatch=task.microbatch):
             torch.autograd.backward(output, grad_tensors=grad_output)
         if stage_input is not None:

@@ -17,7 +17,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from megatron.app.executor import IterationResult, IterationSteps, Microbatch, StageContext, microbatch_loss
+from megatron.app.executor import (IterationPlan, IterationResult, IterationSteps, Microbatch, StageContext,
+                                   microbatch_loss)
 from megatron.app.model import unwrap_model
 from megatron.app.observer import NullObserver, get_observer
 
@@ -30,15 +31,18 @@ class MegatronCoreSchedule:
     def __init__(self, chunks: Sequence[torch.nn.Module], stage: StageContext) -> None:
         self.chunks = list(chunks)
         self.stage = stage
-        self.loss_microbatches: int | None = None  # as PipelineExecutor's: the loss divisor of a plan
 
     def run(self, tasks, get_microbatch: Callable[[int], Microbatch],
-            forward_only: bool = False, steps: IterationSteps | None = None) -> IterationResult:
+            forward_only: bool = False, steps: IterationSteps | None = None,
+            plan: IterationPlan | None = None) -> IterationResult:
         """`tasks` (this trainer's static order) is ignored: megatron-core decides the order. With
-        `steps`, the gradient reduction and the optimizer step follow megatron-core's schedule."""
+        `steps`, the gradient reduction and the optimizer step follow megatron-core's schedule.
+        `plan` as PipelineExecutor.run's: its layout's microbatch count, first microbatch and loss
+        divisor."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        layout = self.stage.layout
+        plan = plan or IterationPlan(self.stage.layout)
+        layout = plan.layout
         seq, micro_batch, _ = self.stage.activation_shape
         result = IterationResult()
         per_token = unwrap_model(self.chunks[0]).config.calculate_per_token_loss
@@ -57,15 +61,15 @@ class MegatronCoreSchedule:
                     return total, torch.tensor(tokens, dtype=torch.int), {"lm loss": loss.detach().clone()}
                 # megatron-core divides the returned loss by the microbatch count (in place); under
                 # a microbatch plan the division must be by the even split's count instead
-                if self.loss_microbatches and self.loss_microbatches != layout.num_microbatches:
-                    return loss * (layout.num_microbatches / self.loss_microbatches), {"lm loss": loss.detach().clone()}
+                if plan.divisor != layout.num_microbatches:
+                    return loss * (layout.num_microbatches / plan.divisor), {"lm loss": loss.detach().clone()}
                 return loss, {"lm loss": loss.detach().clone()}
 
             return output, loss_func
 
         def microbatches() -> Iterator[Microbatch]:
             for mb in range(layout.num_microbatches):
-                yield get_microbatch(mb)
+                yield get_microbatch(plan.first_microbatch + mb)
 
         data = [microbatches() for _ in self.chunks]
         model = self.chunks

@@ -4,15 +4,31 @@ pipeline executor or the P2P transport. The trainer never tests a plugin's flag,
 reads another's: a plugin declares what it needs (`requires`), what it must follow (`after`),
 what it turns on (`enables`) and what it cannot run with (`conflicts`), and `resolve_plugins`
 checks and orders them; a plugin sees the other enabled plugins (`peers`) through their public
-attributes only."""
+attributes only.
+
+Plugins contribute values through hooks that return them, and the spine composes them in the
+plugins' order: `configure_layout` returns the run config to validate, `rank_role` names what a
+rank is, `wrap_transport` wraps each transport where it is made, `plan_iteration` says which
+microbatches each replica runs. Nothing a plugin hands over is set on another object later."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from megatron.app.config import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class RankRole:
+    """A rank's part where a plugin splits ranks into roles: its `name` (in trace file names) and
+    whether it is `secondary` (it mirrors state held by another rank: it joins every collective,
+    but prints no training log and writes no checkpoint files)."""
+
+    name: str = ""
+    secondary: bool = False
 
 
 class Plugin:
@@ -34,9 +50,28 @@ class Plugin:
         when an enabled plugin lists it in `enables`."""
         return False
 
-    def configure_layout(self, cfg) -> None:
-        """Before the config is validated: a plugin that changes how ranks are used may rewrite
-        cfg.parallel (e.g. make world_size the size of the training mesh); raise ConfigError."""
+    def configure_layout(self, cfg):
+        """Before the config is validated: a plugin that changes how ranks are used returns the
+        config to run instead (e.g. `dataclasses.replace(cfg, parallel=...)` with world_size the size
+        of the training mesh), or None to keep it; raise ConfigError. The config is frozen: this is
+        the one place it may change."""
+        return None
+
+    def rank_role(self, cfg, rank: int) -> "RankRole | None":
+        """What global rank `rank` is, where this plugin splits ranks into roles (the role names
+        trace files; a secondary rank prints no training log and writes no checkpoint), or None."""
+        return None
+
+    def wrap_transport(self, ctx, transport):
+        """Return `transport` wrapped (e.g. delayed links), or `transport` itself. Called for every
+        transport the trainer or a step runner makes, in the plugins' order."""
+        return transport
+
+    def plan_iteration(self, ctx, iteration: int, plan):
+        """Before iteration `iteration`: return the MicrobatchPlan (which of the global batch's
+        microbatches each data-parallel replica runs) given the one planned so far (the even
+        split, or an earlier plugin's), or None to keep it."""
+        return None
 
     def configure(self, cfg) -> None:
         """Validate/adjust the run config before any work starts (raise ConfigError)."""
@@ -190,6 +225,15 @@ class PluginSet:
     def call(self, hook: str, *args: Any) -> None:
         for plugin in self.plugins:
             getattr(plugin, hook)(*args)
+
+    def compose(self, hook: str, value: Any, *args: Any) -> Any:
+        """`value` passed through each plugin's `hook(*args, value)` in order; a plugin returning
+        None keeps the value it was given."""
+        for plugin in self.plugins:
+            made = getattr(plugin, hook)(*args, value)
+            if made is not None:
+                value = made
+        return value
 
     def first(self, factory_hook: str, *args: Any):
         """The first non-None object a plugin supplies (executor, transport, step runner...)."""

@@ -5,6 +5,7 @@ checkpoints. Plugins hook in through megatron.app.plugins; nothing here tests th
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -20,17 +21,19 @@ from megatron.app.arguments import build_parser, config_from_args
 from megatron.app.config import ConfigError, RunConfig, validate
 from megatron.app.data import DataError
 from megatron.app.device import DeviceBackend, DeviceError, build_backend, enable_deterministic_mode
-from megatron.app.executor import IterationResult, IterationSteps, PipelineExecutor, StageContext, activation_shape
+from megatron.app.executor import (IterationPlan, IterationResult, IterationSteps, LossOptions, PipelineExecutor,
+                                   StageContext, activation_shape)
 from megatron.app.learning_rate import set_learning_rate
 from megatron.app.logs import MetricsLogger, print_rank_0
 from megatron.app.mcore_schedule import MegatronCoreSchedule
 from megatron.app.microbatches import MicrobatchPlan
 from megatron.app.model import build_model_chunks, count_parameters, unwrap_model
 from megatron.app.observer import span
-from megatron.app.plugins import PluginSet, available_plugins, resolve_plugins
+from megatron.app.plugins import PluginSet, RankRole, available_plugins, resolve_plugins
 from megatron.app.schedule import PipelineLayout, build_schedule
 from megatron.app.tokenizer import TokenizerError
 from megatron.app.training_data import TrainingData
+from megatron.app.transport import TorchDistributedTransport
 
 
 @dataclass(kw_only=True)
@@ -43,27 +46,34 @@ class TrainContext:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    # What this rank is where a plugin splits ranks into roles (its `rank_role`): the role's name
+    # (in trace file names), and whether the rank is secondary: it mirrors state held by another
+    # rank, joins every collective, but prints no training log and writes no checkpoint files.
+    role: str = ""
+    secondary: bool = False
     chunks: list = field(default_factory=list)
     optimizer: Any = None
     executor: Any = None
-    transport: Any = None
+    transport: Any = None  # the P2P transport, made once and wrapped by the plugins (`make_transport`)
     data: TrainingData | None = None
     schedule: list = field(default_factory=list)
     layout: PipelineLayout | None = None
     stage: StageContext | None = None  # this rank's place in the pipeline, for any executor
     iteration: int = 0
     consumed_samples: int = 0
-    # A plugin that splits ranks into roles names this rank's role (e.g. in trace file names).
-    role: str = ""
-    # A secondary rank mirrors state held by another rank: it joins every collective, but prints
-    # no training log and writes no checkpoint files.
-    secondary: bool = False
+    loss: LossOptions = LossOptions()  # how the last stage's loss starts backward (every executor's)
     step_runner: Any = None
     evaluator: Any = None  # (ctx, iteration) -> validation loss, or None where this rank has none
-    # Which microbatches of the global batch each replica trains on next (None: the even split);
-    # a plugin may change it between iterations (straggler mitigation).
-    microbatch_plan: MicrobatchPlan | None = None
+    plugins: PluginSet | None = None  # the enabled plugins, whose hooks compose values for the spine
     _schedules: dict = field(default_factory=dict)  # microbatch count -> (layout, static order)
+
+    def make_transport(self, base=None):
+        """A P2P transport as every executor of this rank gets one: `base` (default: a plugin's
+        `make_transport`, else torch.distributed's) wrapped by each plugin's `wrap_transport`."""
+        plugins = self.plugins or PluginSet([])
+        if base is None:
+            base = plugins.first("make_transport", self) or TorchDistributedTransport()
+        return plugins.compose("wrap_transport", base, self)
 
     @property
     def is_logging_rank(self) -> bool:
@@ -102,16 +112,23 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
         cfg.num_chunks if cfg.num_chunks > 1 else None, cfg.training.seed,
         initialize=plugins.first("model_parallel_initializer", cfg),
     )
+    dp_rank = parallel_state.get_data_parallel_rank()
+    data = TrainingData.build(cfg, dp_rank=dp_rank, device=backend.device)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=data.vocab_size))
+    rank = dist.get_rank()
+    role = plugins.first("rank_role", cfg, rank) or RankRole()
     ctx = TrainContext(
         cfg=cfg,
         backend=backend,
-        rank=dist.get_rank(),
+        rank=rank,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_rank=dp_rank,
+        role=role.name,
+        secondary=role.secondary,
+        data=data,
+        plugins=plugins,
     )
-    ctx.data = TrainingData.build(cfg, dp_rank=ctx.dp_rank, device=backend.device)
-    cfg.model.vocab_size = ctx.data.vocab_size
     chunks = build_model_chunks(cfg.model, p, cfg.num_chunks, cfg.training.seed, backend.model_construction)
     params = count_parameters(chunks)
     print(f"[rank {ctx.rank}] tp={ctx.tp_rank} pp={ctx.pp_rank} dp={ctx.dp_rank} "
@@ -143,7 +160,6 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
     ctx.layout = PipelineLayout(pp_size=p.pipeline_model_parallel_size, num_chunks=cfg.num_chunks,
                                 num_microbatches=cfg.num_microbatches)
     ctx.schedule = build_schedule(pick_schedule_name(cfg), ctx.layout, ctx.pp_rank)
-    ctx.transport = plugins.first("make_transport", ctx)
     ctx.stage = StageContext(
         layout=ctx.layout,
         pp_rank=ctx.pp_rank,
@@ -152,14 +168,17 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
         dtype=cfg.model.params_dtype,
         device=backend.device,
     )
-    ctx.executor = plugins.first("make_executor", ctx) or default_executor(ctx)
-    ctx.executor.per_token_loss = cfg.model.calculate_per_token_loss
+    mcore = cfg.training.pipeline_schedule == MegatronCoreSchedule.schedule_name
+    if not mcore:  # megatron-core's schedule sends through torch.distributed itself
+        ctx.transport = ctx.make_transport()
+    ctx.loss = LossOptions(scale=ctx.optimizer.scale_loss if cfg.model.fp16 else None,
+                           per_token=cfg.model.calculate_per_token_loss)
     if cfg.model.fp16:
-        # Both executors scale the last stage's loss before backward: ours through the executor,
-        # megatron-core's schedule through the model config, as Megatron-LM sets it.
-        ctx.executor.grad_scale_func = ctx.optimizer.scale_loss
+        # megatron-core's schedule scales the last stage's loss through the model config, as
+        # Megatron-LM sets it (this trainer's executors through `ctx.loss`).
         for chunk in ctx.chunks:
             unwrap_model(chunk).config.grad_scale_func = ctx.optimizer.scale_loss
+    ctx.executor = plugins.first("make_executor", ctx) or default_executor(ctx)
     ctx.step_runner = plugins.first("make_step_runner", ctx) or train_step
     ctx.evaluator = plugins.first("make_evaluator", ctx) or evaluate
     plugins.call("setup", ctx)
@@ -170,7 +189,7 @@ def default_executor(ctx: TrainContext):
     """This trainer's executor over the static order, or megatron-core's own schedule."""
     if ctx.cfg.training.pipeline_schedule == MegatronCoreSchedule.schedule_name:
         return MegatronCoreSchedule(ctx.chunks, ctx.stage)
-    return PipelineExecutor(ctx.chunks, ctx.stage, ctx.transport)
+    return PipelineExecutor(ctx.chunks, ctx.stage, ctx.transport, loss=ctx.loss)
 
 
 def train_step(ctx: TrainContext, plugins: PluginSet) -> dict[str, Any]:
@@ -185,17 +204,13 @@ def train_step(ctx: TrainContext, plugins: PluginSet) -> dict[str, Any]:
         chunk.train()
     steps = IterationSteps(reduce_grads=lambda result: reduce_grads(ctx, iteration, result.num_tokens),
                            optimizer_step=lambda result: optimizer_step(ctx, plugins, iteration))
-    plan = ctx.microbatch_plan or MicrobatchPlan.even(ctx.cfg.parallel.data_parallel_size, ctx.layout.num_microbatches)
-    first, count = plan.first(ctx.dp_rank), plan.count(ctx.dp_rank)
+    even = MicrobatchPlan.even(ctx.cfg.parallel.data_parallel_size, ctx.layout.num_microbatches)
+    microbatches = plugins.compose("plan_iteration", even, ctx, iteration)
+    count = microbatches.count(ctx.dp_rank)
     layout, schedule = planned_schedule(ctx, count)
-    ctx.stage.layout = layout
-    ctx.executor.loss_microbatches = plan.nominal
-    try:
-        result: IterationResult = ctx.executor.run(
-            schedule, lambda mb: ctx.data.train_global_microbatch(iteration, first + mb), steps=steps)
-    finally:
-        ctx.stage.layout = ctx.layout
-        ctx.executor.loss_microbatches = None
+    plan = IterationPlan(layout, first_microbatch=microbatches.first(ctx.dp_rank), loss_divisor=microbatches.nominal)
+    result: IterationResult = ctx.executor.run(
+        schedule, lambda mb: ctx.data.train_global_microbatch(iteration, mb), steps=steps, plan=plan)
     return {"lm loss": result.mean_loss, "grad norm": result.grad_norm, "learning rate": lr,
             "updated": result.updated, "num_tokens": result.num_tokens, "microbatches": count,
             "loss scale": ctx.optimizer.loss_scale if ctx.cfg.model.fp16 else None}
@@ -265,6 +280,7 @@ def evaluate(ctx: TrainContext, iteration: int) -> float | None:
 
 def train(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
     ctx = setup(cfg, plugins)
+    cfg = ctx.cfg  # with the vocabulary size the data's tokenizer gave
     t = cfg.training
     unused = megatron_lm.not_used(cfg.args)
     if cfg.optimizer.use_distributed_optimizer and ctx.backend.name == "cpu":
@@ -346,7 +362,7 @@ def parse(argv: Sequence[str] | None = None) -> tuple[RunConfig, PluginSet]:
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
     plugins = resolve_plugins(candidates, args)
-    plugins.call("configure_layout", cfg)
+    cfg = plugins.compose("configure_layout", cfg)
     validate(cfg)
     _check_plugins_fit(cfg, plugins)
     plugins.call("configure", cfg)

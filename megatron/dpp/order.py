@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.app.actions import Action, compute, control_tag, eager_receives, sends_after, step_actions
-from megatron.app.executor import PipelineExecutor, StageContext
+from megatron.app.executor import LossOptions, PipelineExecutor, StageContext
 from megatron.app.schedule import Task, TaskKind, format_schedule
 from megatron.app.simulator import RankState
 from megatron.app.transport import Message, Transport
@@ -50,7 +50,7 @@ class DppOrder:
 
     def program(self, executor: PipelineExecutor, tasks: Sequence[Task], forward_only: bool,
                 step: bool) -> Iterator[Action]:
-        layout, pp_rank = executor.stage.layout, executor.stage.pp_rank
+        layout, pp_rank = executor.layout, executor.stage.pp_rank  # the iteration's plan's layout
         work = [task for task in layout.tasks() if task.is_forward or not forward_only]
         state = RankState(rank=pp_rank, layout=layout, remaining=set(work))
         # Forward-only runs store nothing, so no budget applies.
@@ -94,13 +94,13 @@ class DppOrder:
         choice = policy.choose(state, ready)
         if choice is not None and self.followers:
             code = torch.tensor([_KINDS.index(choice.kind), choice.chunk, choice.microbatch], dtype=torch.int64)
-            tag = control_tag(executor.stage.layout, decision)
+            tag = control_tag(executor.layout, decision)
             executor.defer(executor.transport.post([Message(peer, tag, code) for peer in self.followers], []))
         return choice
 
     def _decision_from_leader(self, executor: PipelineExecutor, decision: int) -> Task:
         code = torch.empty(3, dtype=torch.int64)
-        tag = control_tag(executor.stage.layout, decision)
+        tag = control_tag(executor.layout, decision)
         handle = executor.transport.post([], [Message(self.tp_ranks[0], tag, code)])[-1]
         handle.wait()
         kind, chunk, microbatch = (int(value) for value in code)
@@ -108,7 +108,8 @@ class DppOrder:
 
 
 def dpp_executor(chunks: Sequence[torch.nn.Module], stage: StageContext, transport: Transport, *, policy: str,
-                 budget: int | None, tp_ranks: Sequence[int] = (), idle_timeout_s: float = 1e-3) -> PipelineExecutor:
+                 budget: int | None, tp_ranks: Sequence[int] = (), idle_timeout_s: float = 1e-3,
+                 loss: LossOptions = LossOptions()) -> PipelineExecutor:
     """The pipeline executor with a MegaDPP order."""
     order = DppOrder(stage.layout, policy=policy, budget=budget, tp_ranks=tp_ranks, idle_timeout_s=idle_timeout_s)
-    return PipelineExecutor(chunks, stage, transport, order=order)
+    return PipelineExecutor(chunks, stage, transport, order=order, loss=loss)

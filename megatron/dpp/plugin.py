@@ -95,8 +95,8 @@ class DppPlugin(Plugin):
         from megatron.core import parallel_state
 
         tp_ranks = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
-        return dpp_executor(ctx.chunks, ctx.stage, ctx.transport or self.make_transport(ctx),
-                            policy=self.config.policy, budget=self.config.budget, tp_ranks=tp_ranks)
+        return dpp_executor(ctx.chunks, ctx.stage, ctx.transport, policy=self.config.policy,
+                            budget=self.config.budget, tp_ranks=tp_ranks, loss=ctx.loss)
 
     def setup(self, ctx) -> None:
         budget = self.config.budget

@@ -3,12 +3,13 @@ disaggregated step runner, wired into the spine's plugin contract."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import torch.distributed as dist
 
 from megatron.app.config import ConfigError
-from megatron.app.plugins import Plugin, register_plugin
+from megatron.app.plugins import Plugin, RankRole, register_plugin
 from megatron.fbd.groups import create_groups, install_parallel_state
 from megatron.fbd.layout import FBDLayout, Instance, build_layout
 from megatron.fbd.runner import BackwardStep, ForwardStep
@@ -88,7 +89,7 @@ class FBDPlugin(Plugin):
                     or args.forward_device is not None or args.fbd_loss_log is not None
                     or args.forward_instances_per_process != 1)
 
-    def configure_layout(self, cfg) -> None:
+    def configure_layout(self, cfg):
         p = cfg.parallel
         layout_error = None
         try:
@@ -101,14 +102,19 @@ class FBDPlugin(Plugin):
         if problems:
             raise ConfigError("invalid configuration for forward-backward disaggregation:\n  " + "\n  ".join(problems))
         # The backward instances are the training mesh: tp x pp x dp/2; validation checks it.
-        p.world_size = self.layout.mesh_size
-
-    def configure(self, cfg) -> None:
+        parallel = dataclasses.replace(p, world_size=self.layout.mesh_size)
         me = self.layout.instance(int(os.environ.get("RANK", "0")))
         if me.is_forward and self.layout.ignore_forward_tp:
             # This rank's model: the whole stage (TP=1), one per replica and stage.
-            cfg.parallel.tensor_model_parallel_size = 1
-            cfg.parallel.world_size = self.layout.pp * self.layout.replicas
+            parallel = dataclasses.replace(parallel, tensor_model_parallel_size=1,
+                                           world_size=self.layout.pp * self.layout.replicas)
+        return dataclasses.replace(cfg, parallel=parallel)
+
+    def rank_role(self, cfg, rank: int) -> RankRole:
+        """fwd or bwd; the forward instance is secondary (its backward instance prints the log and
+        writes checkpoints)."""
+        me = self.layout.instance(rank)
+        return RankRole(name=me.role, secondary=me.is_forward)
 
     def model_parallel_initializer(self, cfg):
         layout = self.layout
@@ -123,10 +129,7 @@ class FBDPlugin(Plugin):
         return initialize
 
     def make_step_runner(self, ctx):
-        me = self.layout.instance(ctx.rank)
-        ctx.role = me.role
-        ctx.secondary = me.is_forward  # the backward instance prints the log and writes checkpoints
-        return make_step(ctx, self.layout, me)
+        return make_step(ctx, self.layout, self.layout.instance(ctx.rank))
 
     def load_checkpoint(self, ctx):
         """A forward instance receives its weights from its backward instance(s) at the start of every

@@ -87,7 +87,9 @@ class _Role:
     schedule_name = SCHEDULE_NAME
 
     def __init__(self, ctx, layout: FBDLayout, me: Instance, chunk: torch.nn.Module | None = None,
-                 data=None, transport=None) -> None:
+                 data=None, transport=None, **executor_options) -> None:
+        """`executor_options`: what the role adds to the executor (PipelineExecutor's keyword
+        arguments: `hand_off`, `compute_guard`)."""
         self.ctx, self.layout, self.me = ctx, layout, me
         self.data = ctx.data if data is None else data  # this instance's replica's microbatches
         self.chunks = list(ctx.chunks) if chunk is None else [chunk]
@@ -100,11 +102,11 @@ class _Role:
                              pp_rank=me.stage, pp_global_ranks=list(range(layout.world_size)),
                              activation_shape=activation_shape(cfg), dtype=cfg.model.params_dtype, device=self.device)
         self.actions = self.role_actions()
-        self.executor = PipelineExecutor(self.chunks, stage, transport or ctx.transport or TorchDistributedTransport(),
-                                         order=ActionList(self.actions, SCHEDULE_NAME))
-        self.executor.handlers[Op.WEIGHTS] = self._weights
         self.rng_bytes = rng_snapshot().numel()  # the generators (and tracker streams) exist by now
-        self.executor.buffers["R"] = lambda: torch.empty(self.rng_bytes, dtype=torch.uint8)
+        self.executor = PipelineExecutor(
+            self.chunks, stage, transport or ctx.transport or TorchDistributedTransport(),
+            order=ActionList(self.actions, SCHEDULE_NAME), loss=ctx.loss, handlers={Op.WEIGHTS: self._weights},
+            buffers={"R": lambda: torch.empty(self.rng_bytes, dtype=torch.uint8)}, **executor_options)
 
     def role_actions(self) -> list[Action]:
         raise NotImplementedError
@@ -139,10 +141,8 @@ class ForwardStep(_Role):
     def __init__(self, ctx, layout: FBDLayout, me: Instance, chunk: torch.nn.Module | None = None,
                  host=None, data=None) -> None:
         self.host = host
-        super().__init__(ctx, layout, me, chunk, data, transport=host.transport(me) if host is not None else None)
-        self.executor.hand_off = True
-        if host is not None:
-            self.executor.compute_guard = lambda: host.lock
+        super().__init__(ctx, layout, me, chunk, data, transport=host.transport(me) if host is not None else None,
+                         hand_off=True, **({"compute_guard": lambda: host.lock} if host is not None else {}))
 
     def role_actions(self) -> list[Action]:
         return forward_role(self.layout, self.me, len(self.chunks), self.num_microbatches)

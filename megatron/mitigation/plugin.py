@@ -18,6 +18,7 @@ training prints a summary with the time saved, predicted and measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -148,7 +149,7 @@ class MitigationPlugin(Plugin):
     def enabled(self, args: argparse.Namespace) -> bool:
         return bool(args.straggler_mitigation)
 
-    def configure_layout(self, cfg) -> None:
+    def configure_layout(self, cfg):
         """Restarting from a checkpoint whose run recommended a layer split: take it, unless the
         command line names one (the checkpoint is converted as it is loaded)."""
         load = cfg.checkpoint.load
@@ -167,10 +168,10 @@ class MitigationPlugin(Plugin):
             print_rank_0(f"[mitigation] ignoring {path}: its split {_csv(split)} is not for "
                          f"{cfg.model.num_layers} layers on {cfg.parallel.pipeline_model_parallel_size} stages")
             return
-        cfg.parallel.pipeline_layer_split = split
         print_rank_0(f"[mitigation] applying --pipeline-layer-split {_csv(split)} recommended at iteration "
                      f"{saved.get('iteration', '?')} ({saved.get('reason', 'slow stage')}); the checkpoint is "
                      "converted as it loads")
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_layer_split=split))
 
     def configure(self, cfg) -> None:
         args = cfg.args
@@ -194,7 +195,7 @@ class MitigationPlugin(Plugin):
         self.rebalancer = Rebalancer(self.dp, self.nominal, bubble=(self.pp - 1) / chunks, granularity=granularity,
                                      threshold=self.config.threshold, patience=self.config.patience,
                                      window=self.config.window)
-        ctx.microbatch_plan = MicrobatchPlan.even(self.dp, self.nominal)
+        self.plan = MicrobatchPlan.even(self.dp, self.nominal)  # what plan_iteration hands the trainer
         self.clock = ComputeClock(ctx.backend.device)
         set_observer(self.clock)
         self.device = ctx.backend.device
@@ -229,6 +230,10 @@ class MitigationPlugin(Plugin):
         gauges["speed"].set(1.0)
         return gauges
 
+    def plan_iteration(self, ctx, iteration: int, plan: MicrobatchPlan) -> MicrobatchPlan:
+        """The replicas' shares of the global batch for this iteration: the last decision's."""
+        return self.plan
+
     def before_iteration(self, ctx, iteration: int) -> None:
         if self.announce:
             # Marks the first iteration of a new plan in the trace (the "microbatches" counter shows it).
@@ -246,7 +251,7 @@ class MitigationPlugin(Plugin):
 
     def _after_iteration(self, ctx, iteration: int, metrics: dict[str, Any]) -> None:
         seconds = self.clock.take()
-        count = metrics.get("microbatches") or self.nominal
+        count = self.plan.count(ctx.dp_rank)  # this replica's share in the iteration just run
         mine = [float(ctx.dp_rank), float(ctx.pp_rank), seconds / max(1, count), float(metrics["iteration_time"])]
         rows = self._gather(mine)
         if iteration - self.first_iteration < WARMUP_ITERATIONS:
@@ -298,7 +303,7 @@ class MitigationPlugin(Plugin):
                 ledger.straggling_even.append(iteration_time)
 
     def _apply(self, ctx, iteration: int, decision: Decision, per_rank: list[float]) -> None:
-        ctx.microbatch_plan = MicrobatchPlan(shares=decision.shares, nominal=self.nominal)
+        self.plan = MicrobatchPlan(shares=decision.shares, nominal=self.nominal)
         self.ledger.changes += 1
         self.announce = True
         typical = statistics.median(per_rank)

@@ -320,13 +320,29 @@ class InjectPlugin(Plugin):
         self.slowdowns = [Slowdown.parse(t) for t in cfg.args.inject_slowdown]
         self.stalls = [Stall.parse(t) for t in cfg.args.inject_stall]
         self.delays = [LinkDelay.parse(t) for t in cfg.args.inject_link_delay]
-        world = cfg.parallel.world_size
+        # Global ranks of the job: a plugin may have made cfg.parallel's world the training mesh only
+        # (MegaFBD's backward instances), while a fault may name any rank.
+        world = int(os.environ.get("WORLD_SIZE", cfg.parallel.world_size))
         named = ([s.rank for s in self.slowdowns] + [s.rank for s in self.stalls]
                  + [d.src for d in self.delays] + [d.dst for d in self.delays])
         bad = [r for r in named if r >= world]
         if bad:
             raise ConfigError(f"fault injection names rank(s) {sorted(set(bad))} but world_size is {world}")
+        if self.delays and cfg.training.pipeline_schedule == "megatron-core":
+            raise ConfigError("--inject-link-delay delays this trainer's pipeline transport, which "
+                              "--pipeline-schedule megatron-core does not use (megatron-core sends through "
+                              "torch.distributed itself); pick another --pipeline-schedule or drop the delay")
         self.fault = None
+
+    def _incoming(self, rank: int) -> dict[int, float]:
+        """Source global rank -> seconds, for the links into `rank` that deliver late."""
+        return {d.src: d.delay_ms / 1e3 for d in self.delays if d.dst == rank}
+
+    def wrap_transport(self, ctx, transport):
+        """Receives from a delayed link's source complete late, on every transport this rank makes
+        (the trainer's executor, MegaDPP's, MegaFBD's roles)."""
+        incoming = self._incoming(ctx.rank)
+        return DelayedTransport(transport, incoming) if incoming else transport
 
     def setup(self, ctx) -> None:
         slowdowns = [s for s in self.slowdowns if s.rank == ctx.rank]
@@ -344,9 +360,8 @@ class InjectPlugin(Plugin):
             for s in stalls:
                 print(f"[inject] rank {ctx.rank}: stalls of {s.stall_ms:g} ms every {s.every_ms:g} ms from "
                       f"iteration {s.start_iteration}, {where} ({mode})", flush=True)
-        incoming = {d.src: d.delay_ms / 1e3 for d in self.delays if d.dst == ctx.rank}
-        if incoming and ctx.executor is not None:
-            ctx.executor.transport = DelayedTransport(ctx.executor.transport, incoming)
+        incoming = self._incoming(ctx.rank)
+        if incoming:
             print(f"[inject] rank {ctx.rank}: messages from {sorted(incoming)} delayed "
                   f"{[incoming[s] * 1e3 for s in sorted(incoming)]} ms", flush=True)
 

@@ -3,6 +3,7 @@ moves between splits (converted while loading, or by tools/convert_checkpoint.py
 changing the resumed loss curve."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -131,5 +132,5 @@ def test_virtual_chunks_split_each_stage_evenly():
     # The model runs chunk 0 of every stage, then chunk 1 of every stage, ...
     assert [parallel.first_layer(16, stage, chunk) for chunk in range(4) for stage in range(2)] == \
         [0, 1, 4, 5, 8, 9, 12, 13]
-    parallel.pipeline_layer_split = [6, 10]
+    parallel = dataclasses.replace(parallel, pipeline_layer_split=[6, 10])  # the config is frozen
     assert "every entry must be a multiple of 4 (stage 0: 6, stage 1: 10)" in layer_split_problems(parallel, 16)[0]

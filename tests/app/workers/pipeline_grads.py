@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megatron.app.config import ModelConfig, ParallelConfig, parse_layer_split
 from megatron.app.device import build_backend
-from megatron.app.executor import PipelineExecutor, StageContext
+from megatron.app.executor import LossOptions, PipelineExecutor, StageContext
 from megatron.app.model import build_model_chunks, global_parameter_name
 from megatron.app.schedule import PipelineLayout, build_schedule
 
@@ -78,12 +78,11 @@ def main() -> None:
     for which in schedules:
         backend.zero_grad(chunks)
         if which == "ours":
-            executor = PipelineExecutor(chunks, stage)
+            executor = PipelineExecutor(chunks, stage, loss=LossOptions(per_token=args.per_token))
         else:
             from megatron.app.mcore_schedule import MegatronCoreSchedule
 
             executor = MegatronCoreSchedule(chunks, stage)
-        executor.per_token_loss = args.per_token
         result = executor.run(build_schedule(name, layout, pp_rank),
                               lambda mb: synthetic_microbatch(dp_rank * per_dp + mb, 2, 16, 100))
         backend.finalize_grads(chunks)
