@@ -86,3 +86,47 @@ def test_no_plugin_reads_another_plugins_flags():
             if owned.get(dest, plugin.name) != plugin.name:
                 trespass.append(f"{plugin.name} reads --{dest.replace('_', '-')} of {owned[dest]}")
     assert not trespass, trespass
+
+
+def test_hooks_that_return_values_are_composed_in_the_plugins_order():
+    """Each plugin gets the value the one before it returned; None keeps it."""
+    seen = []
+
+    def wrap(tag):
+        def wrap_transport(self, ctx, transport):
+            seen.append((tag, transport))
+            return f"{tag}({transport})"
+        return wrap_transport
+
+    plugins = resolve_plugins([_plugin("outer", after=("inner",), wrap_transport=wrap("outer")),
+                               _plugin("keeps", wrap_transport=lambda self, ctx, transport: None),
+                               _plugin("inner", wrap_transport=wrap("inner"))], argparse.Namespace())
+    assert plugins.names == ["inner", "outer", "keeps"]
+    assert plugins.compose("wrap_transport", "torch", None) == "outer(inner(torch))"
+    assert seen == [("inner", "torch"), ("outer", "inner(torch)")]
+
+
+def test_the_run_config_is_frozen_and_a_layout_change_is_a_returned_config(monkeypatch):
+    """A plugin cannot change the config behind the trainer's back; MegaFBD's layout change is the
+    config its configure_layout returns, validated like any other (the training mesh is the
+    backward instances: 4 ranks of which 2 train)."""
+    import dataclasses
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    cfg, plugins = parse([*BASE, "--pipeline-model-parallel-size", "2", "--forward-backward-disaggregating"])
+    assert cfg.parallel.world_size == 2 and plugins.names == ["fbd"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.parallel.world_size = 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model = cfg.model
+
+
+def test_rank_roles_come_from_the_plugin_before_anything_is_built(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    cfg, plugins = parse([*BASE, "--pipeline-model-parallel-size", "2", "--forward-backward-disaggregating"])
+    roles = [plugins.first("rank_role", cfg, rank) for rank in range(4)]
+    # Backward instances are the training mesh's ranks 0-1; their forward twins are ranks 2-3.
+    assert [(role.name, role.secondary) for role in roles] == [("bwd", False), ("bwd", False), ("fwd", True),
+                                                               ("fwd", True)]

@@ -3,6 +3,7 @@ extra time inside each transformer layer's forward and backward; a delayed link 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 from types import SimpleNamespace
@@ -368,3 +369,30 @@ def test_slowed_rank_has_longer_traced_compute_spans_than_its_peer(tmp_path):
             median_ms[f.rank, kind] = float(np.median(c["end_ns"][rows] - c["start_ns"][rows])) / 1e6
     for kind in ("forward", "backward"):
         assert median_ms[1, kind] > 1.5 * median_ms[0, kind], median_ms
+
+
+@pytest.mark.parametrize("executor,flags,nproc,link", [
+    ("MegaFBD's role executors", ["--forward-backward-disaggregating"], 4, "2:0"),  # forward stage 0 -> its backward
+    ("MegaDPP's executor", ["--use-dpp", "--dpp-transport", "torch"], 2, "0:1"),
+])
+def test_a_delayed_link_delays_every_executor_kind(executor, flags, nproc, link):
+    """The delay wraps the transport where it is made, so executors the trainer does not build
+    itself deliver late too: every iteration waits at least the delay."""
+    proc = torchrun("pretrain_gpt.py", [
+        *MODEL, "--global-batch-size", "4", "--train-iters", "3", "--pipeline-model-parallel-size", "2",
+        "--log-interval", "1", *flags, "--inject-link-delay", f"{link}:800"], nproc=nproc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    src, dst = link.split(":")
+    assert f"[inject] rank {dst}: messages from [{src}] delayed [800.0] ms" in proc.stdout
+    elapsed = [float(ms) for ms in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", proc.stdout)]
+    assert len(elapsed) == 3 and min(elapsed) >= 800, (executor, elapsed)
+
+
+def test_a_link_delay_with_megatron_cores_schedule_is_refused(monkeypatch):
+    """megatron-core's schedule sends through torch.distributed itself: there is no transport to delay."""
+    from megatron.app.train import parse
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="--inject-link-delay .* --pipeline-schedule megatron-core does not use"):
+        parse([*MODEL, "--global-batch-size", "4", "--train-iters", "2", "--pipeline-model-parallel-size", "2",
+               "--pipeline-schedule", "megatron-core", "--inject-link-delay", "0:1:20"])
