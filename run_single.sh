@@ -104,7 +104,5 @@ echo "  demo data      ${DATA_DIR:-data}/"
 echo "next:"
 echo "  bash run_single.sh -- --use-dpp                             # MegaDPP: dynamic pipeline order over shm_tensor_rdma"
 echo "  bash run_single.sh -- --forward-backward-disaggregating     # MegaFBD: separate forward and backward ranks"
-[ -f megatron/scope/web/dist/index.html ] || \
-    echo "  npm --prefix megatron/scope/web ci && npm --prefix megatron/scope/web run build   # once: MegaScope's web app"
 echo "  python -m megatron.scope serve --load $OUT/checkpoints   # MegaScope: watch the trained model generate"
 exit "$status"

@@ -1,13 +1,16 @@
 """`python -m megatron.scope serve ...`: load a model and serve the MegaScope app on one port.
-Under torchrun with TP x PP ranks, global rank 0 serves and the other ranks follow it."""
+Under torchrun with TP x PP ranks, global rank 0 serves and the other ranks follow it.
+`python -m megatron.scope build-web [--check]`: rebuild the shipped web app (needs npm), or say
+whether it matches its sources."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from megatron.scope.server import ServerConfig
+if TYPE_CHECKING:  # imported where used: build-web needs neither torch nor aiohttp
+    from megatron.scope.server import ServerConfig
 
 DEMO_CHECKPOINT = "outputs/checkpoints"
 
@@ -57,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt (default: the checkpoint's)")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="NullTokenizer's ids without eod, as pretrain_gpt.py's --vocab-size (default: the checkpoint's)")
+    build = sub.add_parser("build-web", help="rebuild the shipped web app and its manifest (Node.js 20+ and npm); "
+                                             "only needed after changing megatron/scope/web")
+    build.add_argument("--check", action="store_true",
+                       help="build nothing: exit 1 with what changed when the shipped build does not match its sources")
     return parser
 
 
@@ -93,6 +100,8 @@ def load_model(args: argparse.Namespace):
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
+    from megatron.scope.server import ServerConfig
+
     config = ServerConfig(host=args.host, port=args.port, allowed_origins=tuple(args.allow_origin))
     if args.token:
         config.token = args.token
@@ -137,9 +146,32 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def build_web(args: argparse.Namespace) -> int:
+    from megatron.scope import webapp
+
+    if not webapp.source_ids():
+        print(f"no web app sources in {webapp.WEB_DIR} (an installed package ships only the build)", file=sys.stderr)
+        return 2
+    if args.check:
+        problems = webapp.check_build()
+        if problems:
+            print(webapp.stale_message(problems), file=sys.stderr, flush=True)
+            return 1
+        print(f"the shipped MegaScope build in {webapp.WEB_DIST} matches its sources", flush=True)
+        return 0
+    try:
+        webapp.build_web()
+    except webapp.WebBuildError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "build-web":
+        return build_web(args)
     return 2

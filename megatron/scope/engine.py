@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +33,16 @@ class GenerateRequest:
     seed: int = 0
     lens: bool = False
     perturbations: list[Perturbation] = field(default_factory=list)
+
+
+class NextTokens(NamedTuple):
+    """One step's choice per sample: the chosen ids and their probabilities, and the top-k ids
+    with their probabilities (what the step frame shows)."""
+
+    chosen: list[int]
+    chosen_probs: list[float]
+    top_ids: list[list[int]]
+    top_probs: list[list[float]]
 
 
 class PromptError(ValueError):
@@ -157,13 +167,12 @@ class Generator:
                 tokens=tokens, capture=list(request.capture), perturbations=list(request.perturbations),
                 positions=positions, lens_top_k=request.top_k if request.lens else 0,
             )
-            chosen, chosen_probs, ids, values = self.next_tokens(result.logits, lengths, request, generator)
-            header = self._step_header(request, step, sequences, rows, lengths, chosen, chosen_probs, ids, values)
-            arrays = self._step_arrays(request, result, header)
+            picked = self.next_tokens(result.logits, lengths, request, generator)
+            frame = self.step_message(request, step, sequences, rows, lengths, picked, result)
             if keep_hidden:
                 self._keep_hidden(result.captures["layer"], rows, lengths, sequences)
-            emit("frame", (header, arrays), True)
-            for seq, token in zip(sequences, chosen):
+            emit("frame", frame, True)
+            for seq, token in zip(sequences, picked.chosen):
                 seq.append(token)
             steps += 1
         summary = {"type": "done", "request": request.request_id, "steps": steps,
@@ -172,9 +181,10 @@ class Generator:
         return summary
 
     def next_tokens(self, logits: torch.Tensor, lengths: list[int], request: GenerateRequest,
-                    generator: torch.Generator) -> tuple[list[int], list[float], list[list[int]], list[list[float]]]:
-        """(chosen ids, their probabilities, top-k ids, top-k probabilities) per sample, as Python
-        lists. Greedy decoding takes the top-1 of the top-k, so a step costs a handful of ops."""
+                    generator: torch.Generator | None) -> NextTokens:
+        """The chosen ids, their probabilities, the top-k ids and their probabilities per sample,
+        as Python lists. Greedy decoding (temperature 0, where `generator` may be None) takes the
+        top-1 of the top-k, so a step costs a handful of ops."""
         if all(n == lengths[0] for n in lengths):
             last = logits[:, lengths[0] - 1, : self.vocab_size]
         else:
@@ -182,13 +192,28 @@ class Generator:
         ids, values, log_norm = top_k(last, request.top_k, request.temperature)
         ids, values = ids.tolist(), values.tolist()
         if request.temperature <= 0:
-            return [row[0] for row in ids], [row[0] for row in values], ids, values
+            return NextTokens([row[0] for row in ids], [row[0] for row in values], ids, values)
         probs = torch.exp(last.float() / request.temperature - log_norm)
         chosen = torch.multinomial(probs, 1, generator=generator)
-        return chosen[:, 0].tolist(), probs.gather(1, chosen)[:, 0].tolist(), ids, values
+        return NextTokens(chosen[:, 0].tolist(), probs.gather(1, chosen)[:, 0].tolist(), ids, values)
 
-    def _step_header(self, request, step, sequences, positions: list[list[int]], lengths, chosen, chosen_probs,
-                     ids, values) -> dict:
+    def step_message(self, request: GenerateRequest, step: int, sequences: Sequence[Sequence[int]],
+                     positions: list[list[int]], lengths: list[int], picked: NextTokens, result: ForwardResult,
+                     extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The "step" frame of one forward as (header, arrays), for `emit("frame", ...)`: per sample
+        the new positions' tokens, the sampled token and the top-k; the captures reduced to
+        `request.bins`; the logit lens with its vocabulary. `positions[b]` are sample b's new
+        positions (those at or past `lengths[b]` are padding); `extra` adds header fields (the
+        trainer numbers its frames with "iteration"). Generation and the trainer plugin both send
+        what this returns, so the page reads one format."""
+        header = self._step_header(request, step, sequences, positions, lengths, picked)
+        header.update(extra or {})
+        arrays = self._step_arrays(request, result, header)
+        return header, arrays
+
+    def _step_header(self, request: GenerateRequest, step: int, sequences: Sequence[Sequence[int]],
+                     positions: list[list[int]], lengths: list[int], picked: NextTokens) -> dict[str, Any]:
+        chosen, chosen_probs, ids, values = picked
         samples = []
         for b, seq in enumerate(sequences):
             rows = [p for p in positions[b] if p < lengths[b]]

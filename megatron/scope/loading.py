@@ -3,7 +3,7 @@ directory, or a freshly initialised model (demos and tests). Returns this rank's
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ def build_random(model_cfg: ModelConfig, tokenizer: Tokenizer, tp: int = 1, pp: 
     from megatron.app.model import build_model_chunks
 
     backend = init_parallel(tp, pp, seed, device)
-    model_cfg.vocab_size = tokenizer.vocab_size
+    model_cfg = replace(model_cfg, vocab_size=tokenizer.vocab_size)  # the config is frozen
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp)
     chunks = build_model_chunks(model_cfg, parallel, 1, seed, backend.model_construction)
     for chunk in chunks:

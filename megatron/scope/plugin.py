@@ -229,11 +229,10 @@ class ScopePlugin(Plugin):
         send(None, "json", {"type": "start", "request": -1, "iteration": iteration,
                             "prompts": [[[t, self.generator.token_text(t)] for t in ids]]}, True)
         rows = [list(range(len(ids)))]
-        chosen, chosen_probs, top_ids, values = self.generator.next_tokens(result.logits, [len(ids)], request, None)
-        header = self.generator._step_header(request, 0, [ids], rows, [len(ids)], chosen, chosen_probs, top_ids, values)
-        header["iteration"] = iteration
-        arrays = self.generator._step_arrays(request, result, header)
-        send(None, "frame", (header, arrays), True)
+        picked = self.generator.next_tokens(result.logits, [len(ids)], request, None)
+        frame = self.generator.step_message(request, 0, [ids], rows, [len(ids)], picked, result,
+                                            extra={"iteration": iteration})
+        send(None, "frame", frame, True)
         send(None, "json", {"type": "done", "request": -1, "steps": 1, "iteration": iteration,
                             "texts": [self.tokenizer.detokenize(ids)],
                             "tokens": [[[t, self.generator.token_text(t)] for t in ids]]}, True)

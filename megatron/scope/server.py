@@ -1,6 +1,6 @@
-"""The HTTP + WebSocket server: serves the built web app and `/ws` on one port, in a thread of
-its own so the model never waits on the network. Per-run token, origin check, size and rate
-limits; each client has a bounded outbox that drops stale step frames instead of blocking."""
+"""The HTTP + WebSocket server: serves the shipped web app (web/dist) and `/ws` on one port, in a
+thread of its own so the model never waits on the network. Per-run token, origin check, size and
+rate limits; each client has a bounded outbox that drops stale step frames instead of blocking."""
 from __future__ import annotations
 
 import asyncio
@@ -18,11 +18,12 @@ from aiohttp import WSMsgType, web
 
 from megatron.scope.codec import encode_frame
 from megatron.scope.protocol import MAX_MESSAGE_BYTES, ProtocolError, parse_message
+from megatron.scope.webapp import REBUILD_COMMAND, WEB_DIST
 
-WEB_DIST = Path(__file__).resolve().parent / "web" / "dist"
-_NOT_BUILT = """<!doctype html><meta charset=utf-8><title>MegaScope</title>
-<p>The MegaScope web app is not built. Run <code>npm --prefix megatron/scope/web ci &amp;&amp;
-npm --prefix megatron/scope/web run build</code> and reload. The WebSocket at <code>/ws</code> works.</p>"""
+_NOT_BUILT = f"""<!doctype html><meta charset=utf-8><title>MegaScope</title>
+<p>The MegaScope web app is missing from {WEB_DIST}: it ships built with the package, so this
+installation is incomplete. In a source checkout, <code>{REBUILD_COMMAND}</code> (Node.js 20+ and npm)
+builds it again; then reload. The WebSocket at <code>/ws</code> works.</p>"""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.browser  # chromium drives the built web app
+
 pytest.importorskip("aiohttp", reason="the MegaScope server needs aiohttp (pip install aiohttp)")
 
 from megatron.scope.server import WEB_DIST, ServerConfig
@@ -29,7 +31,7 @@ def _missing() -> str | None:
     if not (WEB / "node_modules" / "playwright-core").is_dir():
         return f"web dependencies not installed (npm --prefix {WEB} ci)"
     if not (WEB_DIST / "index.html").is_file():
-        return f"web app not built (npm --prefix {WEB} run build)"
+        return f"the shipped web app is missing from {WEB_DIST} (python -m megatron.scope build-web)"
     return None
 
 

@@ -1,4 +1,6 @@
-// Vite build of the MegaScope app; the Python server serves dist/ and the WebSocket on one port.
+// Vite build of the MegaScope app into dist/, which is committed and ships with the Python package
+// (the server serves it and the WebSocket on one port). Build with `python -m megatron.scope build-web`,
+// which also writes dist/build-manifest.json, the sources this build was made from.
 import { defineConfig } from "vitest/config";
 import vue from "@vitejs/plugin-vue";
 
