@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
+if TYPE_CHECKING:
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.utils import GlobalMemoryBuffer
 
-def _cpu_global_memory_buffer():
+
+def cpu_global_memory_buffer() -> GlobalMemoryBuffer:
     """Replaces `megatron.core.utils.GlobalMemoryBuffer.get_tensor`, which allocates with
     `device=torch.cuda.current_device()`; the local-spec attention takes its baddbmm input
     buffer from it (`parallel_state.get_global_memory_buffer()`)."""
@@ -30,7 +34,7 @@ def _cpu_global_memory_buffer():
     return CPUGlobalMemoryBuffer()
 
 
-def _cpu_rng_tracker(seed: int, tp_rank: int):
+def cpu_rng_tracker(seed: int, tp_rank: int) -> CudaRNGStatesTracker:
     """Replaces `megatron.core.tensor_parallel.random.CudaRNGStatesTracker` (its `add` and
     `fork` call `torch.cuda.get_rng_state`/`manual_seed`), installed where
     `model_parallel_cuda_manual_seed` would install it. The same named streams are kept
@@ -69,7 +73,7 @@ def _cpu_rng_tracker(seed: int, tp_rank: int):
     return tracker
 
 
-def _cpu_recompute_rng_states() -> None:
+def cpu_recompute_rng_states() -> None:
     """Replaces `_get_cuda_rng_state` / `_set_cuda_rng_state` of
     `megatron.core.tensor_parallel.random` (which read and write the CUDA generator) where
     `_get_all_rng_states` / `_set_all_rng_states` call them: activation recomputation
@@ -90,7 +94,7 @@ def _cpu_recompute_rng_states() -> None:
 
 
 @contextlib.contextmanager
-def _tied_embedding_copy_stays_on_cpu() -> Iterator[None]:
+def tied_embedding_copy_stays_on_cpu() -> Iterator[None]:
     """Replaces the `weight.data = weight.data.cuda()` in
     `LanguageModule.setup_embeddings_and_output_layer`, run while building a pipeline stage
     that holds a tied word embedding; the embedding-group all-reduce right after it then runs
@@ -200,14 +204,14 @@ def run_megatron_core_on_cpu(seed: int) -> None:
 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("run_megatron_core_on_cpu(seed) goes after parallel_state.initialize_model_parallel(...)")
-    parallel_state._GLOBAL_MEMORY_BUFFER = _cpu_global_memory_buffer()
-    _cpu_rng_tracker(seed, parallel_state.get_tensor_model_parallel_rank())
+    parallel_state._GLOBAL_MEMORY_BUFFER = cpu_global_memory_buffer()
+    cpu_rng_tracker(seed, parallel_state.get_tensor_model_parallel_rank())
     use_megatron_core_schedules_on_cpu()
-    _cpu_recompute_rng_states()
+    cpu_recompute_rng_states()
     original = LanguageModule.setup_embeddings_and_output_layer
     if not getattr(original, "__cpu_stand_in__", False):
         def setup_embeddings_and_output_layer(self, *args, **kwargs):
-            with _tied_embedding_copy_stays_on_cpu():
+            with tied_embedding_copy_stays_on_cpu():
                 return original(self, *args, **kwargs)
 
         setup_embeddings_and_output_layer.__cpu_stand_in__ = True

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.app.cpu_stand_ins import (
-    _cpu_global_memory_buffer,
-    _cpu_recompute_rng_states,
-    _cpu_rng_tracker,
-    _tied_embedding_copy_stays_on_cpu,
+    cpu_global_memory_buffer as _cpu_global_memory_buffer,
+    cpu_recompute_rng_states as _cpu_recompute_rng_states,
+    cpu_rng_tracker as _cpu_rng_tracker,
+    tied_embedding_copy_stays_on_cpu as _tied_embedding_copy_stays_on_cpu,
     use_megatron_core_schedules_on_cpu,
 )
 from megatron.app.model import unwrap_model

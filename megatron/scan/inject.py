@@ -234,7 +234,7 @@ class DeviceFault(LayerWatcher):
         return None
 
 
-def _ranks_outnumber_cores() -> bool:
+def ranks_outnumber_cores() -> bool:
     """More ranks on this host (torchrun's LOCAL_WORLD_SIZE) than cores this process may use."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     try:
@@ -349,7 +349,7 @@ class InjectPlugin(Plugin):
         stalls = [s for s in self.stalls if s.rank == ctx.rank]
         if slowdowns or stalls:
             self.fault = DeviceFault(slowdowns, stalls,
-                                     burner=Burner(ctx.backend.device, oversubscribed=_ranks_outnumber_cores()))
+                                     burner=Burner(ctx.backend.device, oversubscribed=ranks_outnumber_cores()))
             self.layers = transformer_layers(ctx.chunks)
             where = ("per transformer layer" if self.layers
                      else "at the end of each forward/backward span: no transformer layers found")

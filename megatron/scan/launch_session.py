@@ -336,7 +336,7 @@ class LaunchSession:
         from megatron.scan.trace_format import FLAG_DEVICE_TIME
 
         try:
-            self.spans._use_device_clock(device)
+            self.spans.use_device_clock(device)
         except Exception as exc:  # noqa: BLE001 - a tracing failure must not fail the job
             print(f"[megascan] forward/backward stay on the host clock: {exc!r}", file=sys.stderr, flush=True)
             return

@@ -142,7 +142,7 @@ class ModelSpans:
         self._undo += [pre.remove, post.remove]
         first = next(module.parameters(), None)
         if first is not None and first.device.type == "cuda":
-            self._use_device_clock(first.device)
+            self.use_device_clock(first.device)
         self._watch_blocks(module, first.device if first is not None else None)
 
     def _watch_blocks(self, module: torch.nn.Module, device: Any) -> None:
@@ -156,9 +156,9 @@ class ModelSpans:
             if self.tracer.active:  # the window began before the model was found
                 scopes.attach()
         if self.fault is not None:
-            from megatron.scan.inject import Burner, _ranks_outnumber_cores
+            from megatron.scan.inject import Burner, ranks_outnumber_cores
 
-            self.fault.burner = Burner(device, oversubscribed=_ranks_outnumber_cores())
+            self.fault.burner = Burner(device, oversubscribed=ranks_outnumber_cores())
             # Without blocks, every module that holds parameters itself (the Linears of an MLP):
             # the time is then spent inside autograd too, before DDP issues the buckets it feeds,
             # as a slower device's would be (not in the wait for the all-reduce after the last).
@@ -173,7 +173,7 @@ class ModelSpans:
                 print(f"[inject] rank {self.rank}: compute x{slowdown.factor:g} from step {slowdown.start_iteration}, "
                       f"{where} ({self.fault.burner.mode})", file=sys.stderr, flush=True)
 
-    def _use_device_clock(self, device: torch.device) -> None:
+    def use_device_clock(self, device: torch.device) -> None:
         """CUDA events for the compute spans: the host only sees kernels launched. Collectives keep the
         tracer's host clock; the window's resolver turns events into ns and passes host ns through."""
         from megatron.scan.timers import build_timer

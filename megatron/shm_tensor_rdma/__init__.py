@@ -8,7 +8,8 @@ between hosts with RDMA devices, TCP otherwise. See docs/shm_tensor_rdma.md.
 from __future__ import annotations
 
 from . import _C
-from .endpoint import DEFAULT, Endpoint, EndpointConfig, Handle
+from .checks import DEFAULT
+from .endpoint import Endpoint, EndpointConfig
 from .errors import (
     EndpointClosedError,
     PeerError,
@@ -16,6 +17,7 @@ from .errors import (
     TransferTimeout,
     TransportError,
 )
+from .handle import Handle
 from .tags import make_tag, split_tag
 
 

@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 
 from . import _C
-from .checks import _INT64, _check_int
+from .checks import INT64_RANGE, ConfigDefault, check_int
 from .dtypes import dtype_code
 from .handle import Handle
 
-if TYPE_CHECKING:
-    from .endpoint import _Default
-
-_DEVICE_COPY = 6  # a finished receive whose bytes wait in the sender's GPU memory (ErrorKind::DeviceCopy)
+DEVICE_COPY = 6  # a finished receive whose bytes wait in the sender's GPU memory (ErrorKind::DeviceCopy)
 # The one tag the library uses itself: while connecting, same-host peers with GPUs tell each other
 # whether they could open the other's CUDA IPC probe handle (a _PROBE_BYTES message: why not, or empty).
 PROBE_TAG = -(2**63)
@@ -56,12 +52,13 @@ class DeviceTransfers:
                 self._ipc_peers[peer] = candidates[peer][0]
         self._ipc.drop_probe()
 
-    def _post_device(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float | None | _Default) -> Handle | None:
+    def _post_device(self, tensor: torch.Tensor, dst: int, tag: int,
+                     timeout: float | None | ConfigDefault) -> Handle | None:
         """Sends a CUDA tensor by IPC handle (None: stage it through host memory instead)."""
         if self._ipc_unusable is not None:
             return None
-        dst, tag = _check_int(dst, "dst"), _check_int(tag, "tag")
-        if not _INT64[0] <= tag <= _INT64[1]:
+        dst, tag = check_int(dst, "dst"), check_int(tag, "tag")
+        if not INT64_RANGE[0] <= tag <= INT64_RANGE[1]:
             raise ValueError(f"tag must fit in a signed 64-bit integer, got {tag}")
         seconds = self._timeout_seconds(timeout)
         source = tensor if tensor.is_contiguous() else tensor.contiguous()
@@ -78,7 +75,7 @@ class DeviceTransfers:
         with self._lock:
             request_id = self._engine.isend_device(descriptor, source.nbytes, dtype_code(source.dtype),
                                                    list(source.shape), dst, tag, seconds)
-            handle = self._handles[request_id] = Handle(self, request_id, "send", dst, tag, tensor, source)
+            handle = self.unsettled[request_id] = Handle(self, request_id, "send", dst, tag, tensor, source)
         return handle
 
     def _copy_device_message(self, out: torch.Tensor, peer: int, message: str) -> tuple[int, str] | None:
@@ -108,7 +105,7 @@ class DeviceTransfers:
         """How CUDA tensors move to `peer`: "CUDA IPC" (device to device, no host copy) or
         "host staging (<why not IPC>)"."""
         self._check_open("device_path")
-        peer = _check_int(peer, "peer")
+        peer = check_int(peer, "peer")
         if peer in self._ipc_peers and self._ipc_unusable is None:
             return "CUDA IPC"
         if not self._config.cuda_ipc:

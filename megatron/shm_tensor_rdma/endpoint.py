@@ -1,5 +1,6 @@
 """The public API: an Endpoint per rank posts asynchronous tensor sends and receives, and
-Handles (handle.py) report their completion. The C++ core does the work on its own threads; this
+Handles (handle.py) report their completion, asking the endpoint through the Completer interface
+(completion.py) that it implements. The C++ core does the work on its own threads; this
 module checks arguments, keeps tensors alive while the core uses them, and raises typed errors
 (CUDA tensors by IPC handle: device_transfers.py). Over 400 lines because those three belong to
 each call of the one API and read best side by side."""
@@ -18,12 +19,13 @@ from typing import Iterable, Sequence
 import torch
 
 from . import _C
-from .checks import _INT64, _check_int, _check_rank_args, _check_tensor, _port_of
+from .checks import DEFAULT, INT64_RANGE, ConfigDefault, check_int, check_rank_args, check_tensor, port_of
+from .completion import DONE, FAILED, PENDING, Outcome
 from .cuda_ipc import CudaIpc, device_key
-from .device_transfers import _DEVICE_COPY, DeviceTransfers
+from .device_transfers import DEVICE_COPY, DeviceTransfers
 from .dtypes import dtype_code, dtype_names, known_codes
 from .errors import EndpointClosedError, PeerError, TransferTimeout, TransportError, error_for
-from .handle import _DONE, _FAILED, _PENDING, Handle, _deliver
+from .handle import Handle, deliver_finished
 from .host import default_host, host_key
 from .staging import PinnedPool
 
@@ -31,14 +33,6 @@ _TRANSPORTS = ("shm", "verbs", "tcp")
 # The core reads a plain CPU tensor's pointer, size, dtype and shape itself (the fast path of
 # send/recv/isend/irecv); everything else goes through the checks below.
 _C.set_torch_refs(torch.Tensor, *known_codes())
-
-
-class _Default:
-    def __repr__(self) -> str:
-        return "<config default>"
-
-
-DEFAULT = _Default()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,15 +79,18 @@ class Endpoint(DeviceTransfers):
     or with `from_store` / `from_process_group`, which bind a free port and swap addresses
     through a torch.distributed Store. Transports are chosen per peer: shared memory on the
     same host, else RDMA verbs when both sides have a device, else TCP.
+
+    `unsettled`, `wait_done`, `refresh` and `wait_for` are the Completer side its Handles use
+    (completion.py); `Handle.wait` and `Handle.done` are the way to call them.
     """
 
     def __init__(self, job_id: str, rank: int, world_size: int, peer_addresses: Sequence[str], *,
                  config: EndpointConfig | None = None) -> None:
-        _check_rank_args(rank, world_size)
+        check_rank_args(rank, world_size)
         addresses = [str(a) for a in peer_addresses]
         if len(addresses) != world_size:
             raise ValueError(f"peer_addresses has {len(addresses)} entries, expected world_size={world_size}")
-        port = _port_of(addresses[rank], rank)
+        port = port_of(addresses[rank], rank)
         self._start(job_id, rank, world_size, config, port)
         self._connect(addresses)
 
@@ -104,7 +101,7 @@ class Endpoint(DeviceTransfers):
 
         All ranks must call it with the same job_id. Creating the endpoint again later with the
         same store and job_id works: each round of creations uses fresh keys."""
-        _check_rank_args(rank, world_size)
+        check_rank_args(rank, world_size)
         self = cls.__new__(cls)
         self._start(job_id, rank, world_size, config, 0)
         try:
@@ -136,7 +133,7 @@ class Endpoint(DeviceTransfers):
     def _start(self, job_id: str, rank: int, world_size: int, config: EndpointConfig | None, port: int) -> None:
         self._closed = True  # until the engine exists, so close() is safe on failure
         self._engine = None
-        self._plain_transfer = self._post_plain = self._wait_done = None  # the core's fast paths, while connected
+        self._plain_transfer = self._post_plain = self.wait_done = None  # the core's fast paths, while connected
         self._config = config if config is not None else EndpointConfig()
         self._config.validate()
         if not isinstance(job_id, str) or not job_id or "\n" in job_id:
@@ -169,7 +166,7 @@ class Endpoint(DeviceTransfers):
         cfg.device_key = self._device_key
         self._engine = _C.Engine(cfg)
         self._lock = threading.Lock()
-        self._handles: dict[int, Handle] = {}
+        self.unsettled: dict[int, Handle] = {}  # whoever takes a handle out of it settles it
         # Outcomes a poll() took before the posting thread registered their handle, and handles
         # settled from there, reported by the next poll() (see _apply and _adopt).
         self._orphans: dict[int, tuple[int, int, str]] = {}
@@ -193,7 +190,7 @@ class Endpoint(DeviceTransfers):
         self.addresses = tuple(addresses)
         self._connected = True
         self._plain_transfer, self._post_plain = self._engine.plain_transfer, self._engine.post_plain
-        self._wait_done = self._engine.wait_done
+        self.wait_done = self._engine.wait_done
         if self._device_key:
             try:
                 self._agree_on_cuda_ipc()
@@ -204,7 +201,7 @@ class Endpoint(DeviceTransfers):
     # ------------------------------------------------------------------ posting
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, *,
-              timeout: float | None | _Default = DEFAULT) -> Handle:
+              timeout: float | None | ConfigDefault = DEFAULT) -> Handle:
         """Starts sending `tensor` to rank `dst`; the receiver matches it by (this rank, tag).
 
         Messages with the same (dst, tag) are received in posting order. Do not modify the
@@ -217,12 +214,12 @@ class Endpoint(DeviceTransfers):
             seconds = self._default_timeout if timeout is DEFAULT else self._timeout_seconds(timeout)
             request_id = post(True, tensor, dst, tag, seconds)
             if request_id is not False:
-                handle = self._handles[request_id] = Handle(self, request_id, "send", dst, tag, tensor, tensor)
+                handle = self.unsettled[request_id] = Handle(self, request_id, "send", dst, tag, tensor, tensor)
                 if self._orphans:  # another thread's poll() may have seen it finish first (see _apply)
                     self._adopt(handle)
                 return handle
         self._check_open("isend")
-        _check_tensor(tensor, "isend")
+        check_tensor(tensor, "isend")
         if tensor.is_cuda and dst in self._ipc_peers and tensor.numel():
             handle = self._post_device(tensor, dst, tag, timeout)
             if handle is not None:
@@ -236,7 +233,7 @@ class Endpoint(DeviceTransfers):
         return self._post(True, tensor, wire, dst, tag, timeout)
 
     def irecv(self, out: torch.Tensor | tuple[Sequence[int], torch.dtype], src: int, tag: int, *,
-              timeout: float | None | _Default = DEFAULT, device: torch.device | str | None = None) -> Handle:
+              timeout: float | None | ConfigDefault = DEFAULT, device: torch.device | str | None = None) -> Handle:
         """Starts receiving from rank `src` into `out`, or into a new tensor when `out` is
         (shape, dtype) (allocated on `device`, default CPU). The sender's dtype and shape must
         match, else the handle fails with TensorMismatchError."""
@@ -252,18 +249,19 @@ class Endpoint(DeviceTransfers):
             seconds = self._default_timeout if timeout is DEFAULT else self._timeout_seconds(timeout)
             request_id = post(False, out, src, tag, seconds)
             if request_id is not False:
-                handle = self._handles[request_id] = Handle(self, request_id, "recv", src, tag, out, out)
+                handle = self.unsettled[request_id] = Handle(self, request_id, "recv", src, tag, out, out)
                 if self._orphans:
                     self._adopt(handle)
                 return handle
         self._check_open("irecv")
-        _check_tensor(out, "irecv")
+        check_tensor(out, "irecv")
         if not out.is_contiguous():
             raise ValueError("irecv: the out tensor must be contiguous (or pass (shape, dtype) to allocate one)")
         wire = out if out.is_cpu else self._pinned.take(out.shape, out.dtype)
         return self._post(False, out, wire, src, tag, timeout)
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float | None | _Default = DEFAULT) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *,
+             timeout: float | None | ConfigDefault = DEFAULT) -> None:
         """Sends `tensor` and returns once it is sent: `isend(...).wait()` in a single call into
         the core, without a Handle. The lowest-latency way to send one small tensor. `timeout`
         is the transfer's own (see isend); it raises the transfer's error."""
@@ -281,7 +279,7 @@ class Endpoint(DeviceTransfers):
         self._blocking(True, tensor, dst, tag, timeout, "send")
 
     def recv(self, out: torch.Tensor | tuple[Sequence[int], torch.dtype], src: int, tag: int, *,
-             timeout: float | None | _Default = DEFAULT, device: torch.device | str | None = None) -> torch.Tensor:
+             timeout: float | None | ConfigDefault = DEFAULT, device: torch.device | str | None = None) -> torch.Tensor:
         """Receives into `out` (or a new tensor for a (shape, dtype) pair) and returns it:
         `irecv(...).wait()` in a single call into the core, without a Handle."""
         transfer = self._plain_transfer
@@ -291,7 +289,7 @@ class Endpoint(DeviceTransfers):
             if failed is None:
                 return out
             if failed is not False:
-                if failed[0] == _DEVICE_COPY:
+                if failed[0] == DEVICE_COPY:
                     failed = self._copy_device_message(out, src, failed[1])
                     if failed is None:
                         return out
@@ -302,30 +300,30 @@ class Endpoint(DeviceTransfers):
         return out
 
     def _blocking(self, is_send: bool, tensor: torch.Tensor, peer: int, tag: int,
-                  timeout: float | None | _Default, op: str) -> None:
+                  timeout: float | None | ConfigDefault, op: str) -> None:
         self._check_open(op)
-        _check_tensor(tensor, op)
+        check_tensor(tensor, op)
         if type(peer) is not int:
-            peer = _check_int(peer, "dst" if is_send else "src")
+            peer = check_int(peer, "dst" if is_send else "src")
         if type(tag) is not int:
-            tag = _check_int(tag, "tag")
-        if not _INT64[0] <= tag <= _INT64[1]:
+            tag = check_int(tag, "tag")
+        if not INT64_RANGE[0] <= tag <= INT64_RANGE[1]:
             raise ValueError(f"tag must fit in a signed 64-bit integer, got {tag}")
         _, state, kind, message = self._engine.transfer(
             is_send, tensor.data_ptr(), tensor.nbytes, dtype_code(tensor.dtype), list(tensor.shape), peer, tag,
             self._timeout_seconds(timeout))
-        if state == _DONE and kind == _DEVICE_COPY:
+        if state == DONE and kind == DEVICE_COPY:
             failed = self._copy_device_message(tensor, peer, message)
             if failed is None:
                 return
-            state, (kind, message) = _FAILED, failed
-        if state != _DONE:
+            state, (kind, message) = FAILED, failed
+        if state != DONE:
             raise error_for(kind, message, peer)
 
     def _post(self, is_send: bool, tensor: torch.Tensor, wire: torch.Tensor, peer: int, tag: int,
-              timeout: float | None | _Default) -> Handle:
-        peer, tag = _check_int(peer, "dst" if is_send else "src"), _check_int(tag, "tag")
-        if not _INT64[0] <= tag <= _INT64[1]:
+              timeout: float | None | ConfigDefault) -> Handle:
+        peer, tag = check_int(peer, "dst" if is_send else "src"), check_int(tag, "tag")
+        if not INT64_RANGE[0] <= tag <= INT64_RANGE[1]:
             raise ValueError(f"tag must fit in a signed 64-bit integer, got {tag}")
         seconds = self._timeout_seconds(timeout)
         post = self._engine.isend if is_send else self._engine.irecv
@@ -335,10 +333,10 @@ class Endpoint(DeviceTransfers):
         with self._lock:
             request_id = post(wire.data_ptr(), nbytes, dtype_code(wire.dtype), list(wire.shape), peer, tag, seconds)
             handle = Handle(self, request_id, "send" if is_send else "recv", peer, tag, tensor, wire)
-            self._handles[request_id] = handle
+            self.unsettled[request_id] = handle
         return handle
 
-    def _timeout_seconds(self, timeout: float | None | _Default) -> float:
+    def _timeout_seconds(self, timeout: float | None | ConfigDefault) -> float:
         if timeout is DEFAULT:
             return self._default_timeout
         if timeout is None:
@@ -360,7 +358,7 @@ class Endpoint(DeviceTransfers):
             return []
         with self._lock:
             batch = self._apply(engine.poll())
-        return _deliver(batch, raise_errors)
+        return deliver_finished(batch, raise_errors)
 
     def wait_any(self, timeout: float | None = None, *, raise_errors: bool = True) -> list[Handle]:
         """Like poll(), but blocks without the GIL until at least one handle finished.
@@ -371,7 +369,7 @@ class Endpoint(DeviceTransfers):
         finished = engine.wait_any(seconds)
         with self._lock:
             batch = self._apply(finished)
-        return _deliver(batch, raise_errors)
+        return deliver_finished(batch, raise_errors)
 
     def wait_all(self, handles: Iterable[Handle], timeout: float | None = None) -> None:
         """Waits for every handle; raises the first error, or TransferTimeout when the total
@@ -389,14 +387,14 @@ class Endpoint(DeviceTransfers):
     def transport(self, peer: int) -> str:
         """"shm", "verbs" or "tcp": how this endpoint reaches `peer` ("self" for its own rank)."""
         self._check_open("transport")
-        return self._engine.transport_of(_check_int(peer, "peer"))
+        return self._engine.transport_of(check_int(peer, "peer"))
 
     def copy_path(self, peer: int) -> str:
         """How messages above `eager_bytes` move to and from `peer` over shared memory: "single copy
         (cross-memory attach)", or "two copies through the ring (<why not single copy>)"; for
         other transports their name."""
         self._check_open("copy_path")
-        return self._engine.copy_path(_check_int(peer, "peer"))
+        return self._engine.copy_path(check_int(peer, "peer"))
 
     def stats(self) -> dict[str, int]:
         """Counters since the endpoint was built: transfers (sends and receives) finished, by how
@@ -416,10 +414,10 @@ class Endpoint(DeviceTransfers):
         takes it out of _orphans settles the handle (both steps are atomic under the GIL)."""
         out = []
         for request_id, state, kind, message in finished:
-            handle = self._handles.get(request_id)
+            handle = self.unsettled.get(request_id)
             if handle is None:
                 self._orphans[request_id] = (state, kind, message)
-                handle = self._handles.get(request_id)  # registered meanwhile?
+                handle = self.unsettled.get(request_id)  # registered meanwhile?
                 if handle is None or self._orphans.pop(request_id, None) is None:
                     continue
             self._settle(handle, state, kind, message)
@@ -438,52 +436,60 @@ class Endpoint(DeviceTransfers):
 
     def _settle(self, handle: Handle, state: int, kind: int, message: str) -> None:
         """Records the outcome and lets go of the memory (called with the lock held)."""
-        if self._handles.pop(handle.id, None) is None:
+        if self.unsettled.pop(handle.id, None) is None:
             return  # already settled by whoever took it out of the table first (Handle.wait's short way)
-        if state == _DONE and kind == _DEVICE_COPY:  # a receive from a peer's GPU memory
+        if state == DONE and kind == DEVICE_COPY:  # a receive from a peer's GPU memory
             failed = self._copy_device_message(handle.tensor, handle.peer, message)
             if failed is not None:
-                state, (kind, message) = _FAILED, failed
-        if state == _FAILED:
-            handle._error = error_for(kind, message, handle.peer)
-        elif kind == _DEVICE_COPY:
-            pass
-        elif handle.kind == "recv" and handle._wire is not handle.tensor:
-            handle.tensor.copy_(handle._wire)  # a CUDA receive: one copy out of the staging buffer
-        if handle._wire is not handle.tensor and handle._wire.is_cpu:
-            self._pinned.give(handle._wire)
-        handle._wire = None
-        handle._state = state
+                state, (kind, message) = FAILED, failed
+        if state == FAILED:
+            staging = handle.settle(FAILED, error_for(kind, message, handle.peer), False)
+        else:  # a device copy landed in the tensor itself; a staged receive is copied out
+            staging = handle.settle(state, None, kind != DEVICE_COPY)
+        if staging is not None and staging.is_cpu:
+            self._pinned.give(staging)
 
-    def _refresh(self, handle: Handle) -> None:
+    # ------------------------------------------------------------------ Completer (for Handles)
+
+    def refresh(self, handle: Handle) -> None:
+        """Settles `handle` if the core has finished its request (without waiting)."""
         with self._lock:
             engine = getattr(self, "_engine", None)
-            if handle._state == _PENDING and engine is not None:
+            if not handle.settled and engine is not None:
                 request_id, state, kind, message = engine.release(handle.id)
-                if state in (_DONE, _FAILED):
+                if state in (DONE, FAILED):
                     self._settle(handle, state, kind, message)
 
-    def _wait_handle(self, handle: Handle, timeout: float | None) -> None:
+    def wait_for(self, handle: Handle, timeout: float | None, taken: Outcome | None = None) -> None:
+        """Settles `handle`: with `taken`, an outcome the calling thread already took from the
+        core, when that is final, else by waiting at most `timeout` seconds (None: no limit) for
+        the core; raises TransferTimeout naming the peer when the request is unfinished then."""
+        if taken is not None:
+            with self._lock:
+                if not handle.settled and taken[1] in (DONE, FAILED):
+                    self._settle(handle, taken[1], taken[2], taken[3])
+            if handle.settled:
+                return
         seconds = -1.0 if timeout is None else max(0.0, float(timeout))
         deadline = None if timeout is None else time.monotonic() + seconds
         engine = self._engine
         if engine is None:
             raise EndpointClosedError(f"rank {self.rank}: endpoint closed", handle.peer)
         request_id, state, kind, message = engine.wait_take(handle.id, seconds)
-        finished = state != _PENDING
-        if state in (_DONE, _FAILED):
+        finished = state != PENDING
+        if state in (DONE, FAILED):
             with self._lock:
-                if handle._state == _PENDING:
+                if not handle.settled:
                     self._settle(handle, state, kind, message)
         else:
-            self._refresh(handle)
+            self.refresh(handle)
         # Another thread's poll() may have taken the outcome and be about to record it.
-        while handle._state == _PENDING and finished:
+        while not handle.settled and finished:
             if deadline is not None and time.monotonic() > deadline + 1.0:
                 break
             time.sleep(0)
-            self._refresh(handle)
-        if handle._state == _PENDING:
+            self.refresh(handle)
+        if not handle.settled:
             detail = self._engine.describe(handle.id)
             raise TransferTimeout(f"rank {self.rank}: {detail}; not finished after waiting {timeout} s "
                                   f"for peer rank {handle.peer}", handle.peer)
@@ -501,14 +507,14 @@ class Endpoint(DeviceTransfers):
         seconds for them to notice) and stops the threads. Idempotent."""
         engine = getattr(self, "_engine", None)
         self._closed = True
-        self._plain_transfer = self._post_plain = self._wait_done = None
+        self._plain_transfer = self._post_plain = self.wait_done = None
         if engine is None:
             return
         engine.close(float(grace))
         with self._lock:
             self._apply(engine.poll())
-            for handle in list(self._handles.values()):
-                self._settle(handle, _FAILED, 4, f"rank {self.rank}: endpoint closed")
+            for handle in list(self.unsettled.values()):
+                self._settle(handle, FAILED, 4, f"rank {self.rank}: endpoint closed")
         self._engine = None
         self._ipc.close()
         _OPEN.discard(self)

@@ -6,7 +6,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from .endpoint import Endpoint, Handle
+from .endpoint import Endpoint
+from .handle import Handle
 
 
 class _Message(Protocol):  # structurally megatron.app.transport.Message

@@ -18,11 +18,11 @@ SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 @pytest.mark.parametrize(
     "owner,needle,stand_in",
     [
-        ("megatron.core.utils:GlobalMemoryBuffer.get_tensor", "torch.cuda.current_device()", "_cpu_global_memory_buffer"),
-        ("megatron.core.tensor_parallel.random:CudaRNGStatesTracker.add", "torch.cuda", "_cpu_rng_tracker"),
-        ("megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork", "_set_cuda_rng_state", "_cpu_rng_tracker"),
+        ("megatron.core.utils:GlobalMemoryBuffer.get_tensor", "torch.cuda.current_device()", "cpu_global_memory_buffer"),
+        ("megatron.core.tensor_parallel.random:CudaRNGStatesTracker.add", "torch.cuda", "cpu_rng_tracker"),
+        ("megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork", "_set_cuda_rng_state", "cpu_rng_tracker"),
         ("megatron.core.models.common.language_module.language_module:LanguageModule.setup_embeddings_and_output_layer",
-         "weight.data.cuda()", "_tied_embedding_copy_stays_on_cpu"),
+         "weight.data.cuda()", "tied_embedding_copy_stays_on_cpu"),
         ("megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining",
          'torch.zeros([], dtype=torch.int, device="cuda")', "_TorchOnCPU.zeros"),
         ("megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_without_interleaving",
@@ -40,10 +40,10 @@ SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "device=torch.cuda.current_device()", "CPU_TORCH_MODULES (_CUDAOnCPU.current_device)"),
         ("megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator._communicate_shapes",
          "device=torch.cuda.current_device()", "_CUDAOnCPU.current_device"),
-        ("megatron.core.tensor_parallel.random:_get_all_rng_states", "_get_cuda_rng_state(", "_cpu_recompute_rng_states"),
-        ("megatron.core.tensor_parallel.random:_set_all_rng_states", "_set_cuda_rng_state(", "_cpu_recompute_rng_states"),
+        ("megatron.core.tensor_parallel.random:_get_all_rng_states", "_get_cuda_rng_state(", "cpu_recompute_rng_states"),
+        ("megatron.core.tensor_parallel.random:_set_all_rng_states", "_set_cuda_rng_state(", "cpu_recompute_rng_states"),
         ("megatron.core.tensor_parallel.random:CheckpointFunction.forward", "_get_all_rng_states()",
-         "_cpu_recompute_rng_states"),
+         "cpu_recompute_rng_states"),
         # Why the trainer always passes an explicit causal mask:
         ("megatron.core.transformer.utils:get_default_causal_mask", 'device="cuda"', "TrainingData._prepare"),
     ],
@@ -122,7 +122,7 @@ def test_schedule_stand_ins_keep_everything_else_on_the_real_torch():
 def test_cpu_rng_tracker_forks_named_streams_and_restores_the_outer_state():
     from megatron.core.tensor_parallel import random as mc_random
 
-    tracker = cpu_stand_ins._cpu_rng_tracker(seed=5, tp_rank=1)
+    tracker = cpu_stand_ins.cpu_rng_tracker(seed=5, tp_rank=1)
     assert mc_random.get_cuda_rng_tracker() is tracker
     torch.manual_seed(0)
     outer_before = torch.get_rng_state()
@@ -132,16 +132,16 @@ def test_cpu_rng_tracker_forks_named_streams_and_restores_the_outer_state():
     with tracker.fork():
         second = torch.rand(3)
     assert not torch.equal(first, second)  # the stream advances between forks
-    again = cpu_stand_ins._cpu_rng_tracker(seed=5, tp_rank=1)
+    again = cpu_stand_ins.cpu_rng_tracker(seed=5, tp_rank=1)
     with again.fork():
         assert torch.equal(torch.rand(3), first)  # same seed and tp rank -> same stream
-    other_tp = cpu_stand_ins._cpu_rng_tracker(seed=5, tp_rank=0)
+    other_tp = cpu_stand_ins.cpu_rng_tracker(seed=5, tp_rank=0)
     with other_tp.fork():
         assert not torch.equal(torch.rand(3), first)  # TP ranks draw different dropout masks
 
 
 def test_cpu_memory_buffer_reuses_and_grows():
-    buffer = cpu_stand_ins._cpu_global_memory_buffer()
+    buffer = cpu_stand_ins.cpu_global_memory_buffer()
     a = buffer.get_tensor((2, 3), torch.float32, "mpu")
     b = buffer.get_tensor((3, 2), torch.float32, "mpu")
     assert a.device.type == "cpu" and a.data_ptr() == b.data_ptr()

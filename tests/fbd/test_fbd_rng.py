@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.app.cpu_stand_ins import _cpu_rng_tracker
+from megatron.app.cpu_stand_ins import cpu_rng_tracker
 from megatron.app.rng import rng_restore, rng_snapshot
 
 
@@ -25,13 +25,13 @@ def test_restored_state_redraws_the_same_masks_on_a_differently_seeded_process()
     saved = mc_random._CUDA_RNG_STATE_TRACKER, mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED
     try:
         torch.manual_seed(1)
-        _cpu_rng_tracker(1, 0)
+        cpu_rng_tracker(1, 0)
         draw()  # the forward instance is somewhere in its streams
         packed = rng_snapshot()
         expected = draw()
         # "The backward instance": other seeds, other positions in every stream.
         torch.manual_seed(99)
-        _cpu_rng_tracker(99, 1)
+        cpu_rng_tracker(99, 1)
         unrestored = draw()
         assert not torch.equal(unrestored[0], expected[0]) and not torch.equal(unrestored[1], expected[1])
         rng_restore(packed)

@@ -167,7 +167,7 @@ def _setup(plugin: InjectPlugin, rank: int, chunks: list) -> None:
 
 
 def test_plugin_hooks_layers_only_from_the_start_iteration(capsys, no_observer, monkeypatch):
-    monkeypatch.setattr(inject, "_ranks_outnumber_cores", lambda: True)
+    monkeypatch.setattr(inject, "ranks_outnumber_cores", lambda: True)
     model = _Model()
     plugin = _plugin(["--inject-slowdown", "1:3:2", "--inject-stall", "1:5:1000:4"])
     _setup(plugin, 1, [model])
@@ -188,7 +188,7 @@ def test_plugin_hooks_layers_only_from_the_start_iteration(capsys, no_observer, 
 
 
 def test_a_model_without_transformer_layers_is_slowed_inside_its_spans(tmp_path, capsys, no_observer, monkeypatch):
-    monkeypatch.setattr(inject, "_ranks_outnumber_cores", lambda: True)
+    monkeypatch.setattr(inject, "ranks_outnumber_cores", lambda: True)
 
     class Plain(torch.nn.Module):
         def forward(self, hidden):

@@ -240,7 +240,7 @@ def test_a_cuda_model_switches_the_compute_spans_to_device_time(spans, monkeypat
     monkeypatch.setattr(timers, "build_timer", lambda kind, device=None: FakeCudaTimer())
     tracer = spans.tracer
     tracer.timer = timers.HostTimer()
-    spans._use_device_clock(torch.device("cuda", 0))
+    spans.use_device_clock(torch.device("cuda", 0))
     assert isinstance(tracer.timer, FakeCudaTimer) and tracer.timer.started == 1 and spans.device_timed
     # Block spans read tracer.mark when they fire: the device clock too.
     assert tracer.mark == tracer.timer.mark

@@ -164,8 +164,9 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
                     if named]
         suspects.append(Suspect(kind="rank", ranks=[rank], confidence=round(float(confidence), 3),
                                 slowdown=round(slowdown, 3), evidence=evidence, named_by=named_by,
-                                details={"compute": _plain(finding), "arrival": _plain(arrival_finding),
-                                         "host": _plain(starved)}))
+                                details={"compute": json_friendly(finding),
+                                         "arrival": json_friendly(arrival_finding),
+                                         "host": json_friendly(starved)}))
     # A rank no analyzer could compare, arriving last far more than chance while not waiting on
     # its pipeline producers, is named with low confidence rather than silently missed.
     named = {s.ranks[0] for s in suspects}
@@ -182,7 +183,7 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
                                           f"iterations; its peers waited {_share(arrival_finding.cost_share)} of an "
                                           f"iteration for it); compute not comparable"],
                                 named_by=["arrival"],
-                                details={"arrival": _plain(arrival_finding)}))
+                                details={"arrival": json_friendly(arrival_finding)}))
     for (src, dst), link in stage3.links.items():
         if not link.flagged:
             continue
@@ -193,7 +194,7 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
                                           f"{link.messages}) vs {link.baseline_ms:.2f} ms on other links "
                                           f"({link.bandwidth_gbps:.3f} GB/s effective), {link.z:.1f} standard errors"],
                                 named_by=["pipeline"],
-                                details={"link": _plain(link)}))
+                                details={"link": json_friendly(link)}))
     suspects = _one_entry_per_suspect(suspects)
     suspects = _drop_tensor_parallel_victims(data, stage2, suspects, notes)
     suspects = _drop_pipeline_victims(data, stage2, stage3, stage4, suspects, notes)
@@ -392,16 +393,17 @@ def _falls_behind(finding, since: int) -> bool:
     return judged is not None and judged[0] >= STARVED_SLOWER and judged[1] >= STARVED_SLOWER_Z
 
 
-def _plain(obj: Any) -> Any:
+def json_friendly(obj: Any) -> Any:
     """Dataclass -> JSON-friendly dict (floats rounded)."""
     if obj is None:
         return None
     if hasattr(obj, "__dataclass_fields__"):
-        return {k: _plain(getattr(obj, k)) for k, f in obj.__dataclass_fields__.items() if not f.metadata.get("internal")}
+        return {k: json_friendly(getattr(obj, k)) for k, f in obj.__dataclass_fields__.items()
+                if not f.metadata.get("internal")}
     if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
+        return {str(k): json_friendly(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
+        return [json_friendly(v) for v in obj]
     if isinstance(obj, (float, np.floating)):
         value = float(obj)
         return None if value != value else round(value, 4)

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megatron.scan.detect.combine import Detection, _plain
+from megatron.scan.detect.combine import Detection, json_friendly
 from megatron.scan.detect.power import verdict_lines
 
 FORMAT = "megascan-abnormal"
@@ -19,8 +19,8 @@ def as_dict(detection: Detection) -> dict[str, Any]:
     suspects = []
     for s in detection.suspects:
         entry = {"kind": s.kind, "ranks": s.ranks, "coordinates": [data.roles[r].coordinates for r in s.ranks],
-                 "confidence": s.confidence, "slowdown": _plain(s.slowdown), "evidence": s.evidence,
-                 "named_by": s.named_by, "what_if": _plain(s.what_if), "details": s.details}
+                 "confidence": s.confidence, "slowdown": json_friendly(s.slowdown), "evidence": s.evidence,
+                 "named_by": s.named_by, "what_if": json_friendly(s.what_if), "details": s.details}
         suspects.append(entry)
     return {
         "format": FORMAT, "version": VERSION, "verdict": detection.verdict,
@@ -29,15 +29,16 @@ def as_dict(detection: Detection) -> dict[str, Any]:
         "power": detection.power.as_dict() if detection.power is not None else None,
         "leading_candidate": detection.leading,
         "stages": {
-            "compute": {"noise": _plain(detection.compute.noise), "cannot_compare": detection.compute.cannot_compare,
-                        "ranks": {str(r): _plain(f) for r, f in sorted(detection.compute.findings.items())}},
+            "compute": {"noise": json_friendly(detection.compute.noise),
+                        "cannot_compare": detection.compute.cannot_compare,
+                        "ranks": {str(r): json_friendly(f) for r, f in sorted(detection.compute.findings.items())}},
             "arrival": {"instances": detection.arrival.instances,
-                        "ranks": {str(r): _plain(f) for r, f in sorted(detection.arrival.findings.items())}},
-            "pipeline": {"links": [_plain(link) for link in detection.pipeline.links.values()],
-                         "producer_wait_ms": _plain(detection.pipeline.producer_wait_ms),
-                         "receive_wait_ms": _plain(detection.pipeline.receive_wait_ms)},
-            "host": {"noise": _plain(detection.host.noise),
-                     "ranks": {str(r): _plain(f) for r, f in sorted(detection.host.findings.items())}},
+                        "ranks": {str(r): json_friendly(f) for r, f in sorted(detection.arrival.findings.items())}},
+            "pipeline": {"links": [json_friendly(link) for link in detection.pipeline.links.values()],
+                         "producer_wait_ms": json_friendly(detection.pipeline.producer_wait_ms),
+                         "receive_wait_ms": json_friendly(detection.pipeline.receive_wait_ms)},
+            "host": {"noise": json_friendly(detection.host.noise),
+                     "ranks": {str(r): json_friendly(f) for r, f in sorted(detection.host.findings.items())}},
         },
         "notes": detection.notes,
     }
