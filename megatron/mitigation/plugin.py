@@ -37,67 +37,10 @@ from megatron.app.microbatches import MicrobatchPlan
 from megatron.app.observer import get_observer, remove_observer, set_observer
 from megatron.app.plugins import Plugin, register_plugin
 from megatron.mitigation.balance import Decision, Rebalancer, split_layers, stage_cost
+from megatron.scan.speed import ComputeClock, reference_seconds, relative_speed
 
 RECOMMENDATION_FILE = "mitigation.json"
 WARMUP_ITERATIONS = 2  # measured but not used: the first iterations of a run are slow on every rank
-COMPUTE_SPANS = ("forward", "backward")
-
-
-class ComputeClock:
-    """Observer that adds up this rank's forward and backward time of the current iteration (CUDA:
-    timed by events on the current stream, read once per iteration)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.seconds = 0.0
-        self._events: list = []
-        self._null = _Null()
-
-    def span(self, kind: str, **attrs: Any):
-        return _Timed(self) if kind in COMPUTE_SPANS else self._null
-
-    def instant(self, kind: str, **attrs: Any) -> None:
-        return None
-
-    def take(self) -> float:
-        """This iteration's compute seconds so far; starts the next sum."""
-        seconds, self.seconds = self.seconds, 0.0
-        if self._events:
-            self._events[-1][1].synchronize()
-            seconds += sum(start.elapsed_time(end) for start, end in self._events) / 1e3
-            self._events = []
-        return seconds
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> bool:
-        return False
-
-
-class _Timed:
-    __slots__ = ("clock", "start")
-
-    def __init__(self, clock: ComputeClock) -> None:
-        self.clock = clock
-
-    def __enter__(self) -> None:
-        if self.clock.cuda:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.start = time.perf_counter()
-
-    def __exit__(self, *exc) -> bool:
-        if self.clock.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.clock._events.append((self.start, end))
-        else:
-            self.clock.seconds += time.perf_counter() - self.start
-        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,13 +152,12 @@ class MitigationPlugin(Plugin):
             print_rank_0("[mitigation] one replica of one stage: nothing to rebalance (measuring only)")
 
     def _gauges(self, ctx):
-        metrics = getattr(self.peers.get("scan_metrics"), "metrics", None)
-        if metrics is None:
+        r = getattr(self.peers.get("scan_metrics"), "registry", None)  # the metrics plugin's, once set up
+        if r is None:
             return None
         from prometheus_client import Counter, Gauge
 
         rank = str(ctx.rank)
-        r = metrics.registry
         gauges = {
             "share": Gauge("megascan_mitigation_microbatches", "microbatches of the global batch this rank's "
                            "data-parallel replica runs per iteration", ["rank"], registry=r).labels(rank),
@@ -250,9 +192,10 @@ class MitigationPlugin(Plugin):
             self.ledger.iteration_seconds += float(metrics.get("iteration_time") or 0.0)
 
     def _after_iteration(self, ctx, iteration: int, metrics: dict[str, Any]) -> None:
-        seconds = self.clock.take()
-        count = self.plan.count(ctx.dp_rank)  # this replica's share in the iteration just run
-        mine = [float(ctx.dp_rank), float(ctx.pp_rank), seconds / max(1, count), float(metrics["iteration_time"])]
+        # This rank's speed, as detection and the metrics define it: compute seconds per microbatch
+        # of this replica's share in the iteration just run.
+        per_microbatch = self.clock.take_per_microbatch(self.plan.count(ctx.dp_rank))
+        mine = [float(ctx.dp_rank), float(ctx.pp_rank), per_microbatch, float(metrics["iteration_time"])]
         rows = self._gather(mine)
         if iteration - self.first_iteration < WARMUP_ITERATIONS:
             return  # allocation and first-touch costs: not a rank's speed
@@ -266,9 +209,7 @@ class MitigationPlugin(Plugin):
         if self.pp > 1:
             self._consider_layers(ctx, iteration, rows)
         if self.gauges is not None:
-            times = self.rebalancer.times
-            fastest = min(times)
-            self.gauges["speed"].set(fastest / times[ctx.dp_rank] if times[ctx.dp_rank] > 0 else 1.0)
+            self.gauges["speed"].set(relative_speed(self.rebalancer.times, reference="fastest")[ctx.dp_rank])
             self.gauges["saving"].set(self.rebalancer.predicted(self._even) - self.rebalancer.predicted())
 
     @property
@@ -278,12 +219,13 @@ class MitigationPlugin(Plugin):
     def _gather(self, values: list[float]) -> list[list[float]]:
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return [values]
+        from megatron.scan.collectives import untraced
+
         # The unwrapped collective: this bookkeeping is not the training job's (it stays out of the
         # trace, its sequence numbers and the hang watchdog's view).
-        gather = getattr(dist.all_gather, "__megascan_original__", dist.all_gather)
         mine = torch.tensor(values, dtype=torch.float64, device=self.device)
         out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        gather(out, mine)
+        untraced(dist.all_gather)(out, mine)
         return [t.tolist() for t in out]
 
     def _account(self, iteration: int, iteration_time: float) -> None:
@@ -306,8 +248,8 @@ class MitigationPlugin(Plugin):
         self.plan = MicrobatchPlan(shares=decision.shares, nominal=self.nominal)
         self.ledger.changes += 1
         self.announce = True
-        typical = statistics.median(per_rank)
-        slow = sorted((typical / t, rank) for rank, t in enumerate(per_rank)
+        typical, speeds = reference_seconds(per_rank) or 0.0, relative_speed(per_rank)
+        slow = sorted((speeds[rank], rank) for rank, t in enumerate(per_rank)
                       if t > 0 and t > typical * (1 + self.config.threshold))
         who = "; ".join(f"rank {rank} at {speed:.2f}x" for speed, rank in slow[:4]) or \
               f"every rank within {self.config.threshold:.0%} of the median"

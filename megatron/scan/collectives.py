@@ -29,6 +29,27 @@ COLLECTIVE_FUNCTIONS: tuple[str, ...] = (
 # Where the originals are looked up and replaced: the public module and c10d itself (so that one
 # collective implemented through another is seen once, thanks to the reentrancy guard).
 _TARGET_MODULES = (dist, dist.distributed_c10d)
+# The attribute that marks a MegaScan wrapper and holds the function it wraps (see mark_wrapper).
+_ORIGINAL_ATTRIBUTE = "__megascan_original__"
+
+
+def mark_wrapper(wrapper: Callable, original: Callable) -> Callable:
+    """Marks `wrapper` as MegaScan's wrapper of `original` (a collective, a P2P function), so that
+    `untraced` finds the original and a second install does not wrap the wrapper; returns it."""
+    setattr(wrapper, _ORIGINAL_ATTRIBUTE, original)
+    return wrapper
+
+
+def untraced(function: Callable) -> Callable:
+    """The function a MegaScan wrapper wraps, or `function` itself where it is none: what
+    MegaScan's own exchanges call (they are not the program's: they stay out of the trace, its
+    sequence numbers and the hang watchdog's view, every rank skipping them alike)."""
+    return getattr(function, _ORIGINAL_ATTRIBUTE, function)
+
+
+def is_wrapper(function: Any) -> bool:
+    """Whether `function` is a MegaScan wrapper (marked by mark_wrapper)."""
+    return untraced(function) is not function
 
 
 @dataclass(slots=True)
@@ -166,9 +187,8 @@ class CollectiveObserver:
                     listener(op, info, seq, host_start, host_end)
                 spine.collective(op, info, seq, host_start, host_end)
 
-        wrapper.__megascan_original__ = original  # type: ignore[attr-defined]
         wrapper.__megascan_observer__ = observer  # type: ignore[attr-defined]
-        return wrapper
+        return mark_wrapper(wrapper, original)
 
     def install(self, alias_module_prefixes: Iterable[str] = ("megatron",)) -> None:
         """Replace the collectives in torch.distributed, and every alias of them that already-imported
@@ -179,7 +199,7 @@ class CollectiveObserver:
             original = getattr(dist.distributed_c10d, op, None) or getattr(dist, op, None)
             if original is None:
                 continue
-            original = getattr(original, "__megascan_original__", original)
+            original = untraced(original)
             self._originals[op] = original
             self._wrappers[id(original)] = self._wrap(op, original)
         for module in _TARGET_MODULES:

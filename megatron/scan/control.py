@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron.scan.collectives import untraced
 from megatron.scan.tracer import WindowSchedule
 
 _FIELDS = 6  # decision id, start, iterations, interval, continuous, from_iteration
@@ -95,6 +96,11 @@ class ControlExchange:
         # returning the settings now in force; none where the job runs no online detection.
         self.settings_listeners: list = []
 
+    def listen_for_settings(self, listener) -> None:
+        """Rank 0: `listener` ({"confirm": int, "min_slowdown": float} -> the settings in force) is
+        called with each threshold change asked of the running job."""
+        self.settings_listeners.append(listener)
+
     def after_iteration(self, iteration: int) -> None:
         import torch.distributed as dist
 
@@ -106,8 +112,7 @@ class ControlExchange:
             self._read_requests(iteration)
             self.buffer.copy_(self.latest)
         if self.group is not None:
-            broadcast = getattr(dist.broadcast, "__megascan_original__", dist.broadcast)
-            self.pending = broadcast(self.buffer, src=0, group=self.group, async_op=True)
+            self.pending = untraced(dist.broadcast)(self.buffer, src=0, group=self.group, async_op=True)
         else:  # a single process: no exchange, decisions apply at once
             self._apply(self.buffer.tolist())
 

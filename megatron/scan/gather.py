@@ -38,10 +38,6 @@ def _marker(directory: Path, run_id: str) -> Path:
     return directory / f".megascan-rank0-{run_id}"
 
 
-def _original(function):
-    return getattr(function, "__megascan_original__", function)
-
-
 class TraceSender:
     """A rank writing where rank 0 cannot read: streams `writer`'s file to rank 0."""
 
@@ -58,7 +54,9 @@ class TraceSender:
         import torch
         import torch.distributed as dist
 
-        send = _original(dist.send)
+        from megatron.scan.collectives import untraced
+
+        send = untraced(dist.send)
         payload = name.encode() + data
         meta = torch.tensor([kind, len(name.encode()), len(payload)], dtype=torch.int64)
         send(meta, dst=0, group=self.group, tag=_META)
@@ -132,7 +130,9 @@ class TraceReceiver:
         import torch
         import torch.distributed as dist
 
-        recv = _original(dist.recv)
+        from megatron.scan.collectives import untraced
+
+        recv = untraced(dist.recv)
         meta = torch.zeros(3, dtype=torch.int64)
         try:
             while self.pending:
@@ -195,6 +195,8 @@ class Gathering:
     def __init__(self, writer, run_id: str, rank: int, world_size: int, *, rate_mb: float = DEFAULT_RATE_MB) -> None:
         import torch.distributed as dist
 
+        from megatron.scan.collectives import untraced
+
         self.sender: TraceSender | None = None
         self.receiver: TraceReceiver | None = None
         self.senders: list[int] = []
@@ -205,9 +207,9 @@ class Gathering:
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=2))
         if rank == 0:
             _marker(directory, run_id).write_text(str(os.getpid()))
-        _original(dist.barrier)(group=self.group)
+        untraced(dist.barrier)(group=self.group)
         flags = [None] * world_size
-        _original(dist.all_gather_object)(flags, _marker(directory, run_id).exists(), group=self.group)
+        untraced(dist.all_gather_object)(flags, _marker(directory, run_id).exists(), group=self.group)
         self.senders = [r for r, shared in enumerate(flags) if not shared]
         if rank == 0:
             _marker(directory, run_id).unlink(missing_ok=True)

@@ -15,8 +15,7 @@ from megatron.app.config import ConfigError
 from megatron.app.observer import set_observer
 from megatron.app.plugins import Plugin, register_plugin
 from megatron.scan.layers import LayerWatcher, transformer_layers, unwatch_layers, watch_layers
-
-COMPUTE_SPANS = ("forward", "backward")
+from megatron.scan.speed import COMPUTE_SPANS
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,9 @@ def when_imported(name: str, then) -> None:
 
 def armed(environ) -> bool:
     """Whether `launch` (or its printed environment) asked this process to trace."""
-    return bool(environ.get("MEGASCAN_SESSION") or environ.get("MEGASCAN_TRACE_DIR"))
+    from megatron.scan.session import launch_requested
+
+    return launch_requested(environ)
 
 
 def arm() -> None:

@@ -320,8 +320,10 @@ def _traced_allreduce_hook(state: DDPHookState, bucket):  # DDP rejects other an
     group = state.process_group or dist.distributed_c10d._get_default_group()
     tensor = bucket.buffer()
     tensor.div_(group.size())
+    from megatron.scan.collectives import untraced
+
     return state.session.async_collective("all_reduce", tensor, group,
-                                          lambda: dist.distributed_c10d.all_reduce.__megascan_original__(
+                                          lambda: untraced(dist.distributed_c10d.all_reduce)(
                                               tensor, group=group, async_op=True))
 
 

@@ -21,21 +21,22 @@ from pathlib import Path
 from megatron.app.config import ConfigError
 from megatron.scan.session import (
     DEFAULT_HANG_TIMEOUT_S,
+    LEGACY_TRACE_VARIABLES,
     SESSION_VARIABLE,
+    TRACE_DIR_VARIABLE,
     LaunchOptions,
     TraceConfig,
     add_trace_arguments,
+    arguments_from_variables,
 )
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding megatron/
 # What `--print-env` prints (MEGASCAN_TRACE_DIR is the switch the bootstrap looks for).
-EXPORTED = ("PYTHONPATH", "MEGASCAN_TRACE_DIR", "MEGASCAN_RUN_ID", SESSION_VARIABLE)
+EXPORTED = ("PYTHONPATH", TRACE_DIR_VARIABLE, "MEGASCAN_RUN_ID", SESSION_VARIABLE)
 # The variables earlier versions exported one per flag, still read where MEGASCAN_SESSION is not
 # set (an environment written out by hand): as the flags they stood for, so with today's defaults.
-LEGACY_VARIABLES = (("MEGASCAN_TRACE_INTERVAL", "--trace-interval"),
-                    ("MEGASCAN_CONTINUOUS_ITERATIONS", "--continuous-trace-iterations"),
-                    ("MEGASCAN_TRACE_GATHER", "--trace-gather"), ("MEGASCAN_HANG_TIMEOUT", "--hang-timeout"),
+LEGACY_VARIABLES = (*LEGACY_TRACE_VARIABLES, ("MEGASCAN_HANG_TIMEOUT", "--hang-timeout"),
                     ("MEGASCAN_METRICS_PORT", "--metrics-port"),
                     ("MEGASCAN_METRICS_CONTROL_TOKEN_FILE", "--metrics-control-token-file"))
 
@@ -94,9 +95,7 @@ def launch_options(args: argparse.Namespace) -> LaunchOptions:
             problems.append(str(exc).replace("(e.g. 2:1.5:10)", "(e.g. 2:1.25: rank 2 computes 1.25x slower)"))
     if problems:
         raise ConfigError("; ".join(problems))
-    # Launched jobs always trace; workers may start in another directory.
-    trace = dataclasses.replace(trace, enabled=True, directory=trace.directory.resolve())
-    return LaunchOptions(trace=trace, hang_timeout=args.hang_timeout, metrics_port=args.metrics_port,
+    return LaunchOptions(trace=trace.launched(), hang_timeout=args.hang_timeout, metrics_port=args.metrics_port,
                          metrics_control_token_file=token_file, inject_slowdown=tuple(args.inject_slowdown))
 
 
@@ -105,7 +104,7 @@ def launch_environment(options: LaunchOptions, base: dict[str, str] | None = Non
     env = dict(os.environ if base is None else base)
     paths = [str(BOOTSTRAP_DIR), str(PACKAGE_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    env["MEGASCAN_TRACE_DIR"] = str(options.trace.directory)
+    env[TRACE_DIR_VARIABLE] = str(options.trace.directory)
     env["MEGASCAN_RUN_ID"] = env.get("MEGASCAN_RUN_ID") or uuid.uuid4().hex[:16]
     env[SESSION_VARIABLE] = options.to_json()
     for variable, _ in LEGACY_VARIABLES:  # one source of configuration: none left over from an older launch
@@ -115,25 +114,15 @@ def launch_environment(options: LaunchOptions, base: dict[str, str] | None = Non
 
 def options_from_environment(environ) -> LaunchOptions:
     """A worker's configuration: MEGASCAN_SESSION, or the variables of earlier versions read
-    through the launch command's own flags. MEGASCAN_TRACE_DIR, where set, names the directory (the
-    switch a hand-written environment changes per node)."""
+    through the launch command's own flags; its trace section is TraceConfig.from_env's (which
+    takes the directory MEGASCAN_TRACE_DIR names, where set)."""
     text = environ.get(SESSION_VARIABLE)
     if text:
         options = LaunchOptions.from_json(text)
     else:
-        argv = []
-        for variable, flag in LEGACY_VARIABLES:
-            if environ.get(variable):
-                argv += [flag, environ[variable]]
-        try:
-            args = build_parser("MEGASCAN_* variables").parse_args(argv)
-        except SystemExit:  # argparse exits on a bad value; a worker must not
-            raise ValueError(f"cannot read the MEGASCAN_* variables as flags: {' '.join(argv)}") from None
-        options = launch_options(args)
-    directory = environ.get("MEGASCAN_TRACE_DIR")
-    if directory and Path(directory) != options.trace.directory:
-        options = dataclasses.replace(options, trace=dataclasses.replace(options.trace, directory=Path(directory)))
-    return options
+        options = launch_options(arguments_from_variables(environ, LEGACY_VARIABLES,
+                                                          build_parser("MEGASCAN_* variables")))
+    return dataclasses.replace(options, trace=TraceConfig.from_env(environ))
 
 
 def build_parser(prog: str = "python -m megatron.scan launch") -> argparse.ArgumentParser:
@@ -165,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         print("error: nothing to launch; usage: python -m megatron.scan launch [options] -- torchrun ... script.py",
               file=sys.stderr)
         return 2
-    Path(env["MEGASCAN_TRACE_DIR"]).mkdir(parents=True, exist_ok=True)
+    options.trace.directory.mkdir(parents=True, exist_ok=True)
     try:
         os.execvpe(command[0], command, env)  # the job replaces us: its exit code and signals are the user's
     except OSError as exc:

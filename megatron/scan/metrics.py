@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -13,14 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from megatron.app.plugins import Plugin, register_plugin
-from megatron.scan.collectives import GroupInfo
-from megatron.scan.session import output_directory
+from megatron.scan.collectives import GroupInfo, untraced
+from megatron.scan.session import shared_trace_config
+from megatron.scan.speed import COMPUTE_SPANS, slowness
 from megatron.scan.watchdog import shared_collective_observer, write_json_atomically
 
 # The spine's span kinds worth a latency summary; any other kind is ignored so that a new span in
 # the trainer cannot grow the label set unnoticed.
-SPAN_KINDS = frozenset({"data", "forward", "backward", "send", "recv", "grad_sync", "optimizer"})
-COMPUTE_KINDS = frozenset({"forward", "backward"})
+SPAN_KINDS = frozenset({"data", *COMPUTE_SPANS, "send", "recv", "grad_sync", "optimizer"})
 # Megatron group descriptions -> a short, bounded group kind.
 _GROUP_KINDS = (("TENSOR_AND_DATA", "tp_dp"), ("TENSOR", "tp"), ("PIPELINE", "pp"), ("EMBEDDING", "embedding"),
                 ("POSITION", "embedding"), ("CONTEXT", "cp"), ("EXPERT", "ep"), ("DATA", "dp"))
@@ -103,7 +102,7 @@ class RankMetrics:
         if child is None:
             return
         child.observe(seconds)
-        if kind in COMPUTE_KINDS:
+        if kind in COMPUTE_SPANS:
             self._compute_this_iteration += seconds
         elif kind in ("send", "recv"):
             size = attrs.get("bytes", -1)
@@ -227,12 +226,9 @@ def start_rank_metrics(identity: dict[str, Any], directory: str | os.PathLike, *
 
 
 def suspect_scores(compute_seconds: list[float]) -> list[float]:
-    """Each rank's compute time over the median of all ranks (ranks with no compute count as 1)."""
-    positive = [c for c in compute_seconds if c > 0]
-    if not positive:
-        return [1.0] * len(compute_seconds)
-    median = statistics.median(positive)
-    return [c / median if c > 0 else 1.0 for c in compute_seconds]
+    """Each rank's compute time over the median of all ranks (ranks with no compute count as 1):
+    its slowness relative to its peers (megatron.scan.speed)."""
+    return slowness(compute_seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,11 +245,13 @@ class MetricsConfig:
 @register_plugin
 class MetricsPlugin(Plugin):
     """`--metrics-port PORT`: every rank serves /metrics on PORT + its local rank (0: any free port,
-    announced in DIR/metrics-targets-rank*.json for Prometheus file_sd)."""
+    announced in DIR/metrics-targets-rank*.json for Prometheus file_sd). Plugins that follow it
+    add their own series to its public `registry`."""
 
     name = "scan_metrics"
     flag = "--metrics-port"
-    after = ("scan", "scan_watchdog")  # their collective observer and watchdog exist by setup
+    # Their collective observer and watchdog exist by setup; --trace-dir is the scan plugin's config.
+    after = ("scan", "scan_watchdog")
 
     def add_arguments(self, parser) -> None:
         g = parser.add_argument_group("MegaScan live metrics")
@@ -268,6 +266,13 @@ class MetricsPlugin(Plugin):
 
     def enabled(self, args) -> bool:
         return args.metrics_port is not None
+
+    @property
+    def registry(self):
+        """This rank's Prometheus registry (prometheus_client.CollectorRegistry) once set up, where
+        other plugins add their series (it is served with MegaScan's); None before setup."""
+        metrics = getattr(self, "metrics", None)
+        return metrics.registry if metrics is not None else None
 
     def configure(self, cfg) -> None:
         from megatron.app.config import ConfigError
@@ -292,7 +297,7 @@ class MetricsPlugin(Plugin):
         self.config = MetricsConfig(port=args.metrics_port, addr=args.metrics_addr,
                                     score_interval=args.metrics_score_interval, control_token=token,
                                     traced="scan" in self.peers)
-        self.directory = output_directory(args)
+        self.directory = shared_trace_config(self.peers, args).directory  # --trace-dir, as the tracer has it
         self.metrics = None
         self.gpu = None
         self._window: list[float] = []
@@ -329,11 +334,9 @@ class MetricsPlugin(Plugin):
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             self.metrics.suspect.set(1.0)
             return
-        # The unwrapped function: this bookkeeping exchange is not part of the training job, so it
-        # stays out of traces and sequence numbers (every rank skips it alike).
-        gather = getattr(dist.all_gather, "__megascan_original__", dist.all_gather)
+        # This bookkeeping exchange is not part of the training job: untraced.
         values = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-        gather(values, torch.tensor([mean], dtype=torch.float64))
+        untraced(dist.all_gather)(values, torch.tensor([mean], dtype=torch.float64))
         scores = suspect_scores([float(v) for v in values])
         self.metrics.suspect.set(scores[dist.get_rank()])
 

@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterable
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from megatron.scan.collectives import mark_wrapper, untraced
+
 P2P_FUNCTIONS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 _PEER_PARAMETER = {"send": ("dst", "group_dst"), "isend": ("dst", "group_dst"),
                    "recv": ("src", "group_src"), "irecv": ("src", "group_src")}
@@ -57,8 +59,7 @@ class P2PObserver:
             work = original(tensor, *args, **kwargs)
             return _ReceiveHandle(work, observer, [(peer, tensor)]) if work is not None else work
 
-        wrapper.__megascan_original__ = original  # type: ignore[attr-defined]
-        return wrapper
+        return mark_wrapper(wrapper, original)
 
     def _wrap_batch(self, original: Callable) -> Callable:
         observer = self
@@ -88,8 +89,7 @@ class P2PObserver:
                 works[-1] = _ReceiveHandle(works[-1], observer, receives)
             return works
 
-        wrapper.__megascan_original__ = original  # type: ignore[attr-defined]
-        return wrapper
+        return mark_wrapper(wrapper, original)
 
     # --- install ---------------------------------------------------------------------------
     def install(self, alias_module_prefixes: Iterable[str] = ()) -> None:
@@ -97,8 +97,7 @@ class P2PObserver:
             return
         wrappers: dict[int, Callable] = {}
         for name in P2P_FUNCTIONS:
-            original = getattr(c10d, name)
-            original = getattr(original, "__megascan_original__", original)
+            original = untraced(getattr(c10d, name))
             self._originals[name] = original
             wrapper = self._wrap_batch(original) if name == "batch_isend_irecv" else self._wrap_single(name, original)
             wrappers[id(original)] = wrapper
@@ -123,10 +122,10 @@ class P2PObserver:
         original_new, original_init = cls.__new__, cls.__init__
 
         def __new__(klass, op, *args, **kwargs):
-            return original_new(klass, getattr(op, "__megascan_original__", op), *args, **kwargs)
+            return original_new(klass, untraced(op), *args, **kwargs)
 
         def __init__(instance, op, *args, **kwargs):
-            original_init(instance, getattr(op, "__megascan_original__", op), *args, **kwargs)
+            original_init(instance, untraced(op), *args, **kwargs)
 
         cls.__new__, cls.__init__ = __new__, __init__
         self._p2pop = (original_new, original_init)

@@ -19,7 +19,6 @@ from megatron.scan.session import (  # noqa: F401 - re-exported: the trainer's n
     DENSE_ITERATIONS,
     TraceConfig,
     add_trace_arguments,
-    output_directory,
     parse_clock_skew,
     start_trace,
 )
@@ -41,6 +40,7 @@ class ScanPlugin(Plugin):
         return bool(args.trace)
 
     def configure(self, cfg) -> None:
+        # Public: the plugins that follow (watchdog, metrics, online detection) write where it says.
         self.config = TraceConfig.from_args(cfg.args)
         self.tracer = None
 

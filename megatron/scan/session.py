@@ -4,21 +4,23 @@ construction of what records one rank's trace from it (`start_trace`): the gloo 
 job's run id, the header and the writer, gathering to rank 0, the window schedule with its dense
 start, the capture exchange and the tracer. A launch job's workers get the launcher's parsed
 configuration as JSON in MEGASCAN_SESSION (`LaunchOptions`), so they trace what the same flags
-trace in the trainer, with the same defaults.
+trace in the trainer, with the same defaults; they read it with `TraceConfig.from_env`.
 
-The watchdog with crash capture and the metrics server are built by `watchdog.start_watchdog` and
-`metrics.start_rank_metrics`, next to their classes: those modules' plugins read --trace-dir through
-`output_directory` here, so this module cannot import them. Nothing here imports torch at import
-time: the launch command and the workers' start-up stay free of it until a process group exists."""
+The trace directory is resolved once, by TraceConfig: the trainer's other MegaScan plugins take
+it from the scan plugin's config (`shared_trace_config`). The watchdog with crash capture and the
+metrics server are built by `watchdog.start_watchdog` and `metrics.start_rank_metrics`, next to
+their classes: those modules' plugins import this one, so this module cannot import them. Nothing
+here imports torch at import time: the launch command and the workers' start-up stay free of it
+until a process group exists."""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from megatron.app.config import ConfigError
 from megatron.scan.gather import CHUNK, DEFAULT_RATE_MB
@@ -29,6 +31,14 @@ DEFAULT_INTERVAL = 5
 DEFAULT_CONTINUOUS = 2
 DEFAULT_HANG_TIMEOUT_S = 300.0
 SESSION_VARIABLE = "MEGASCAN_SESSION"
+# The directory a launched worker writes to: set by `launch`, edited per node in a printed
+# environment (each node its own disk); set alone, it also asks for tracing.
+TRACE_DIR_VARIABLE = "MEGASCAN_TRACE_DIR"
+# The trace flags' variables of earlier versions of `launch`, one per flag, still read where
+# MEGASCAN_SESSION is not set (an environment written out by hand): as the flags they stand for.
+LEGACY_TRACE_VARIABLES = (("MEGASCAN_TRACE_INTERVAL", "--trace-interval"),
+                          ("MEGASCAN_CONTINUOUS_ITERATIONS", "--continuous-trace-iterations"),
+                          ("MEGASCAN_TRACE_GATHER", "--trace-gather"))
 _SESSION_VERSION = 1
 
 
@@ -102,10 +112,57 @@ class TraceConfig:
                       "clock_skews": {int(rank): (float(skew[0]), float(skew[1]))
                                       for rank, skew in data.get("clock_skews", {}).items()}})
 
+    def launched(self) -> "TraceConfig":
+        """The configuration of a launched job: it always traces, and its workers may start in
+        another directory than the launch command (the directory made absolute)."""
+        return replace(self, enabled=True, directory=self.directory.resolve())
 
-def output_directory(args: argparse.Namespace) -> Path:
-    """Where MegaScan's plugins write (--trace-dir), with or without --trace."""
-    return Path(args.trace_dir)
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> "TraceConfig":
+        """A launched worker's configuration: the one `launch` parsed (MEGASCAN_SESSION) or, in an
+        environment written by hand without it, the trace flags LEGACY_TRACE_VARIABLES stand for
+        (with the flags' defaults); in the directory MEGASCAN_TRACE_DIR names wherever it is set.
+        Raises ValueError (ConfigError for values the flags refuse)."""
+        text = environ.get(SESSION_VARIABLE)
+        if text:
+            config = LaunchOptions.from_json(text).trace
+        else:
+            parser = argparse.ArgumentParser(prog="MEGASCAN_* variables", add_help=False)
+            add_trace_arguments(parser)
+            config = cls.from_args(arguments_from_variables(environ, LEGACY_TRACE_VARIABLES, parser)).launched()
+        directory = environ.get(TRACE_DIR_VARIABLE)
+        if directory and Path(directory) != config.directory:
+            config = replace(config, directory=Path(directory))
+        return config
+
+
+def launch_requested(environ: Mapping[str, str]) -> bool:
+    """Whether `launch` (or its printed environment) asked this process to trace."""
+    return bool(environ.get(SESSION_VARIABLE) or environ.get(TRACE_DIR_VARIABLE))
+
+
+def arguments_from_variables(environ: Mapping[str, str], variables: tuple[tuple[str, str], ...],
+                             parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The flags that environment `variables` ((variable, flag) pairs) stand for, parsed by
+    `parser`; ValueError where a value is not one the flag takes (argparse would exit)."""
+    argv = []
+    for variable, flag in variables:
+        if environ.get(variable):
+            argv += [flag, environ[variable]]
+    try:
+        return parser.parse_args(argv)
+    except SystemExit:  # argparse exits on a bad value; a worker must not
+        raise ValueError(f"cannot read the MEGASCAN_* variables as flags: {' '.join(argv)}") from None
+
+
+def shared_trace_config(peers: Mapping[str, Any], args: argparse.Namespace) -> TraceConfig:
+    """The trace configuration MegaScan's other trainer plugins (watchdog, metrics, online
+    detection) write by: the scan plugin's public `config`, built once from the flags, where
+    --trace is on (they follow the scan plugin, so it is configured first); without --trace the
+    same constructor on the same flags (`enabled` False): a watchdog or a metrics server without
+    tracing writes to --trace-dir all the same."""
+    scan = peers.get("scan")
+    return scan.config if scan is not None else TraceConfig.from_args(args)
 
 
 def add_trace_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megatron.app.plugins import Plugin, register_plugin
 from megatron.scan.collectives import CollectiveObserver, GroupInfo, installed_observer
-from megatron.scan.session import DEFAULT_HANG_TIMEOUT_S, output_directory
+from megatron.scan.session import DEFAULT_HANG_TIMEOUT_S, shared_trace_config
 
 DUMP_FORMAT = "megascan-hang"
 # Spans whose open state says who this rank is waiting for.
@@ -395,7 +395,8 @@ class WatchdogPlugin(Plugin):
 
     name = "scan_watchdog"
     flag = "--hang-timeout"
-    after = ("scan",)  # the tracer's collective observer is installed first and shared
+    # The tracer's collective observer is installed first and shared; --trace-dir is its config.
+    after = ("scan",)
 
     def add_arguments(self, parser) -> None:
         g = parser.add_argument_group("MegaScan hang diagnosis")
@@ -423,7 +424,7 @@ class WatchdogPlugin(Plugin):
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.timeout = DEFAULT_HANG_TIMEOUT_S if args.hang_timeout is None else args.hang_timeout
-        self.directory = output_directory(args)
+        self.directory = shared_trace_config(self.peers, args).directory  # --trace-dir, as the tracer has it
         self.watchdog = None
         self.crash = None
 

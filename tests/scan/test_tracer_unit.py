@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from launch import free_port
+from megatron.scan.collectives import is_wrapper
 from megatron.scan.timers import HostTimer
 from megatron.scan.trace_format import ClockSkew, TraceWriter, header_fields, read_rank_file
 from megatron.scan.tracer import Tracer, WindowSchedule
@@ -55,7 +56,7 @@ def test_window_contents_and_sequence_numbers(world, tmp_path):
     tracer = make_tracer(path)
     tracer.collectives.install()
     try:
-        assert hasattr(mappings.dist_all_gather_func, "__megascan_original__")
+        assert is_wrapper(mappings.dist_all_gather_func)
         group = dist.new_group([0], group_desc="UNIT_GROUP")
         for iteration in range(4):
             tracer.begin_iteration(iteration)
@@ -69,7 +70,7 @@ def test_window_contents_and_sequence_numbers(world, tmp_path):
         tracer.close({"reason": "test"})
     finally:
         tracer.collectives.uninstall()
-    assert not hasattr(dist.all_reduce, "__megascan_original__")
+    assert not is_wrapper(dist.all_reduce)
     f = read_rank_file(path)
     assert f.ended and [w["iterations"] for w in f.windows] == [[0, 0], [2, 2]]
     names = [f.names[i] for i in f.columns["name"]]

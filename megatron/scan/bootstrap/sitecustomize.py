@@ -22,13 +22,17 @@ def _chain_next_sitecustomize() -> None:
             return
 
 
-# Only worker processes (torchrun sets RANK for them), never torchrun itself or unrelated tools.
-# MEGASCAN_SESSION is what `launch` sets; MEGASCAN_TRACE_DIR alone, an environment written by hand.
-if (os.environ.get("MEGASCAN_SESSION") or os.environ.get("MEGASCAN_TRACE_DIR")) and "RANK" in os.environ:
+# Only worker processes (torchrun sets RANK for them), never torchrun itself or unrelated tools,
+# and only where `launch` (MEGASCAN_SESSION) or an environment written by hand (MEGASCAN_TRACE_DIR
+# alone) asks for it: megatron.scan.session.launch_requested.
+if "RANK" in os.environ:
     try:
-        from megatron.scan.launch_session import arm
+        from megatron.scan.session import launch_requested
 
-        arm()
+        if launch_requested(os.environ):
+            from megatron.scan.launch_session import arm
+
+            arm()
     except Exception as exc:  # tracing must never stop the job from starting
         print(f"[megascan] rank {os.environ.get('RANK')}: tracing not armed: {exc!r}", file=sys.stderr)
 _chain_next_sitecustomize()

@@ -9,6 +9,7 @@ import numpy as np
 
 from megatron.scan.detect.model import DetectionInput
 from megatron.scan.detect.typical import stage_typical, typical_ratios
+from megatron.scan.speed import log_ratio_to_peers
 
 _MAD = 1.4826  # MAD -> standard deviation for normal noise
 # Standard errors a rank's median per-iteration ratio to its peers must stand above zero to be named.
@@ -119,13 +120,13 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
         shared = ~np.isnan(matrix).any(axis=1)  # instances every rank of the stage ran
         iterations = np.unique(keys[shared, 0])
         totals = np.array([np.log(np.exp(matrix[shared & (keys[:, 0] == i)]).sum(axis=0)) for i in iterations])
+        iteration_ratios = log_ratio_to_peers(totals) if len(iterations) else None  # [iteration, rank]
+        instance_ratios = log_ratio_to_peers(matrix)  # [task instance, rank]; nan: nothing to compare
         for j, rank in enumerate(ranks):
             peers = [int(r) for r in ranks if r != rank]
-            per_iteration = totals[:, j] - np.median(np.delete(totals, j, axis=1), axis=1) if len(iterations) \
-                else np.zeros(0)
-            others = np.delete(matrix, j, axis=1)
-            valid = ~np.isnan(matrix[:, j]) & (np.sum(~np.isnan(others), axis=1) > 0)
-            instance_ratio = matrix[valid, j] - np.nanmedian(others[valid], axis=1) if valid.any() else np.zeros(0)
+            per_iteration = iteration_ratios[:, j] if len(iterations) else np.zeros(0)
+            valid = ~np.isnan(instance_ratios[:, j])
+            instance_ratio = instance_ratios[valid, j]
             own = totals[:, j] if len(iterations) else np.zeros(0)
             compared[int(rank)] = (per_iteration, iterations, instance_ratio, peers, keys[valid], own)
         typical.update(stage_typical(data, ranks, in_stage))
@@ -196,12 +197,12 @@ def _layer_peers(data: DetectionInput, lonely: list[int], z_rank: float, min_slo
                 mine = (t["rank"] == rank) & (t["iteration"] == it)
                 if mine.any():
                     matrix[i, j] = np.log(max(float(t["busy"][mine].mean()), 1.0))
+        ratios = log_ratio_to_peers(matrix)  # [iteration, rank]; nan: nothing to compare
         for j, rank in enumerate(ranks):
-            others = np.delete(matrix, j, axis=1)
-            valid = ~np.isnan(matrix[:, j]) & (np.sum(~np.isnan(others), axis=1) > 0)
+            valid = ~np.isnan(ratios[:, j])
             if valid.sum() >= 2:
-                per_rank[rank] = (matrix[valid, j] - np.nanmedian(others[valid], axis=1),
-                                  [r for r in ranks if r != rank], iterations[valid], matrix[valid, j])
+                per_rank[rank] = (ratios[valid, j], [r for r in ranks if r != rank], iterations[valid],
+                                  matrix[valid, j])
     noise = series_noise([r for r, *_ in per_rank.values()], default=0.1)
     typical_noise = series_noise([r for _, r in typical.values()], default=0.1)
     for rank in lonely:

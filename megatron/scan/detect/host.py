@@ -17,6 +17,7 @@ import numpy as np
 
 from megatron.scan.detect.compute import series_noise, significant_onset
 from megatron.scan.detect.model import DetectionInput
+from megatron.scan.speed import log_ratio_to_peers
 
 # The stretch (wait + cpu) / cpu compresses ratios that wait per CPU second shows in full: a rank
 # waiting 3 ms per CPU ms beside peers waiting 0.45 is 6.7x on the latter, 2.8x as a stretch. On
@@ -106,15 +107,15 @@ def _against_host_peers(h: dict[str, np.ndarray], level: np.ndarray, training_th
         for j, rank in enumerate(ranks):
             mine = h["rank"] == rank
             matrix[np.searchsorted(iterations, h["iteration"][mine]), j] = level[mine]
+        against = log_ratio_to_peers(matrix)  # nan: nothing to compare
         for j, rank in enumerate(ranks):
-            others = np.delete(matrix, j, axis=1)
-            valid = ~np.isnan(matrix[:, j]) & (np.sum(~np.isnan(others), axis=1) > 0)
+            valid = ~np.isnan(against[:, j])
             if valid.sum() < 2:  # online detection looks at windows of two iterations
                 continue
             mine = h["rank"] == rank
             times = np.zeros((len(iterations), 2))
             times[np.searchsorted(iterations, h["iteration"][mine])] = np.column_stack([wait[mine], cpu[mine]])
-            ratios[rank] = (matrix[valid, j] - np.nanmedian(others[valid], axis=1), times[valid], iterations[valid])
+            ratios[rank] = (against[valid, j], times[valid], iterations[valid])
     return ratios
 
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
+from megatron.scan.speed import COMPUTE_SPANS
 from megatron.scan.trace_format import FLAG_ASYNC, FLAG_BACKWARD, FLAG_INSTANT
 
-COMPUTE_KINDS = ("forward", "backward")
 # Spans during which a rank waits for others or moves data; the time between them is its own work.
 WAIT_KINDS = ("recv", "send", "data", "grad_sync", "optimizer")
 
@@ -188,7 +188,7 @@ def from_aggregation(aggregation: Any) -> DetectionInput:
              for r, h in trace.ranks.items()}
     first = next(iter(trace.ranks.values()))
     sizes = {k: int(first["sizes"][k]) for k in ("dp", "pp", "tp")}
-    compute_ids = trace.ids(COMPUTE_KINDS)
+    compute_ids = trace.ids(COMPUTE_SPANS)
     wait_ids = trace.ids(WAIT_KINDS)
     rows = np.flatnonzero(np.isin(c["name"], compute_ids))
     rows, busy = busy_compute(c["rank"], c["name"], c["start"], c["end"], c["flags"], c["group"], compute_ids,

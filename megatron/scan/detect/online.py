@@ -71,7 +71,7 @@ class WindowCounter:
             time.sleep(poll_s)
 
 
-def analyze(trace_dir: str, first_iteration: int, last_iteration: int,
+def analyze(trace_dir: str | os.PathLike, first_iteration: int, last_iteration: int,
             fitted: dict[tuple[int, int], tuple[float, float]] | None = None, *,
             min_slowdown: float = MIN_SLOWDOWN) -> dict | None:
     """One online analysis of everything traced so far: the abnormal.json dict with `iterations`,
@@ -153,7 +153,7 @@ def serve() -> None:
     stdout; anything printed goes to stderr. Each request carries the thresholds in force (they
     can change while the job runs: `python -m megatron.scan capture --online-detect-confirm`). It ends when stdin closes: when rank 0 closes it,
     or when rank 0 dies (the pipe closes with it, so nothing is left behind)."""
-    trace_dir, world_size, wait_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    trace_dir, world_size, wait_s = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     confirm = Confirmation()
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
@@ -216,7 +216,7 @@ class OnlineDetector:
         root = str(Path(__file__).resolve().parents[3])  # where this package is imported from
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         self.worker = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, str(self.trace_dir), str(world_size), str(wait_s)],
+            [sys.executable, "-c", _BOOT, os.fspath(self.trace_dir), str(world_size), str(wait_s)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
         self.thread = threading.Thread(target=self._loop, name="megascan-online-detect", daemon=True)
         self.thread.start()
@@ -351,7 +351,7 @@ class OnlineDetectPlugin(Plugin):
         trace = self.peers["scan"].config  # configured before this plugin (it is required)
         self.interval = trace.interval  # the windows it analyses, from the tracer's typed config
         self.continuous = trace.continuous
-        self.trace_dir = str(trace.directory)
+        self.trace_dir = trace.directory
         self.granularity = trace.granularity
         self.detector: OnlineDetector | None = None
         self.windows: list[tuple[int, int]] = []
@@ -372,7 +372,7 @@ class OnlineDetectPlugin(Plugin):
             self.detector = OnlineDetector(self.trace_dir, ctx.cfg.parallel.world_size,
                                            confirm=self.confirm, min_slowdown=self.min_slowdown)
             # Threshold changes asked of the running job arrive with capture requests.
-            self.peers["scan"].control.settings_listeners.append(self.detector.update)
+            self.peers["scan"].control.listen_for_settings(self.detector.update)
 
     def after_iteration(self, ctx, iteration: int, metrics) -> None:
         if self.detector is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron.scan.detect.model import DetectionInput
+from megatron.scan.speed import log_ratio_to_peers
 
 
 def _group_median(values: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -40,14 +41,13 @@ def typical_ratios(rank: np.ndarray, iteration: np.ndarray, call: np.ndarray, bu
     cell, medians = _group_median(np.log(np.maximum(busy[sel], 1).astype(np.float64)), key_of * len(ranks) + col)
     matrix = np.full((len(keys), len(ranks)), np.nan)  # [iteration and call, rank] median log busy
     matrix[cell // len(ranks), cell % len(ranks)] = medians
+    ratios = log_ratio_to_peers(matrix)  # nan: nothing to compare
     out = {}
     for j, r in enumerate(ranks):
-        others = np.delete(matrix, j, axis=1)
-        valid = ~np.isnan(matrix[:, j]) & (np.sum(~np.isnan(others), axis=1) > 0)
+        valid = ~np.isnan(ratios[:, j])
         if not valid.any():
             continue
-        ratio = matrix[valid, j] - np.nanmedian(others[valid], axis=1)
-        iterations, series = _group_median(ratio, keys[valid, 0])
+        iterations, series = _group_median(ratios[valid, j], keys[valid, 0])
         out[int(r)] = (iterations, series)
     return out
 
