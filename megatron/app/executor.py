@@ -115,7 +115,8 @@ class StaticOrder:
     def program(self, executor: "PipelineExecutor", tasks: Sequence[Task], forward_only: bool,
                 step: bool) -> Iterable[Action]:
         stage = executor.stage
-        return lower(executor.layout, stage.pp_rank, tasks, forward_only=forward_only, step=step)
+        return lower(executor.layout, stage.pp_rank, tasks, ranks=stage.pp_global_ranks, forward_only=forward_only,
+                     step=step)
 
 
 class ActionList:
@@ -261,7 +262,7 @@ class PipelineExecutor:
     def _queue_send(self, action: Action, get_microbatch) -> None:
         key = (action.task, action.carries)
         tensor = self._outbox[key]  # one output may go to several peers: dropped once the batch is posted
-        peer = self.stage.pp_global_ranks[action.peer]
+        peer = action.peer
         self._sends.append((Message(peer, action.tag, tensor),
                             dict(peer=peer, bytes=tensor.numel() * tensor.element_size(), chunk=action.task.chunk,
                                  microbatch=action.task.microbatch, direction=action.task.kind.value,
@@ -269,7 +270,7 @@ class PipelineExecutor:
 
     def _queue_receive(self, action: Action, get_microbatch) -> None:
         buffer = self.buffers[action.carries]()
-        peer = self.stage.pp_global_ranks[action.peer]
+        peer = action.peer
         self._receives.append(((action.task, action.carries), Message(peer, action.tag, buffer),
                                dict(peer=peer, bytes=buffer.numel() * buffer.element_size(), chunk=action.task.chunk,
                                     microbatch=action.task.microbatch, direction=action.task.kind.value,

@@ -1,22 +1,19 @@
-"""Dry-run pipeline simulator: runs one policy per rank (a static order or a dynamic chooser) on a cost
-model, without torch, and reports the timeline, bubbles, stored activations, deadlocks and a Chrome
-trace. `python -m megatron.app.simulator --help` for the command line. Messages are the SEND/RECV
-actions of the pipeline IR (megatron.app.actions); megatron.app.simulator_actions runs whole
-action lists. Over 400 lines because the cost model, the event loop, its deadlock report and the
-command line that prints them are read together."""
+"""Dry-run pipeline simulator: runs one policy per rank (a static order or a dynamic chooser) on a
+cost model, without torch, and reports the timeline, bubbles, stored activations, deadlocks and a
+Chrome trace. `python -m megatron.app.simulator --help` for the command line. Each rank's choices
+are lowered to IR actions as the run goes (megatron.app.lower_dynamic, as MegaDPP's runtime order
+lowers them), and the action lists run on the one engine (megatron.app.simulator_actions), which
+also runs action lists given whole."""
 
 from __future__ import annotations
 
 import argparse
-import heapq
-import random
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
-from megatron.app.actions import receive_of, send_of
-from megatron.app.simulator_trace import to_chrome_trace, write_chrome_trace
+from megatron.app.actions import Action
+from megatron.app.lower_dynamic import DynamicLowering, RankState
 from megatron.app.schedule import (
     SCHEDULES,
     PipelineLayout,
@@ -27,6 +24,17 @@ from megatron.app.schedule import (
     format_schedule,
     validate_schedule,
 )
+from megatron.app.simulator_actions import Engine
+from megatron.app.simulator_model import (
+    CostModel,
+    PolicyError,
+    SimulationDeadlock,
+    SimulationResult,
+    TaskCosts,
+    TaskRecord,
+    TransferRecord,
+)
+from megatron.app.simulator_trace import to_chrome_trace, write_chrome_trace
 
 __all__ = [
     "CostModel",
@@ -35,6 +43,7 @@ __all__ = [
     "Policy",
     "StaticOrderPolicy",
     "static_policies",
+    "PolicyProgram",
     "TaskRecord",
     "TransferRecord",
     "SimulationResult",
@@ -48,116 +57,7 @@ __all__ = [
 ]
 
 
-class SimulationDeadlock(RuntimeError):
-    """No rank can make progress. The message shows each rank's order with the blocked task in [brackets]."""
-
-    def __init__(self, message: str, *, time: float, blocked: Mapping[int, Task | None], records: Sequence[TaskRecord]):
-        super().__init__(message)
-        self.time = time
-        self.blocked = dict(blocked)  # rank -> the task it waits to run (None: finished or nothing to name)
-        self.records = tuple(records)  # what did run before the deadlock
-
-
-class PolicyError(ValueError):
-    """A policy chose a task that is not ready (or not on its rank)."""
-
-
-# ----------------------------------------------------------------------------------------- costs
-
-
-class TaskCosts(Protocol):
-    """What the simulator asks of a cost model; CostModel is the standard one, tests may pass their own."""
-
-    def compute_time(self, rank: int, task: Task) -> float: ...
-
-    def transfer_time(self, src_rank: int, dst_rank: int, task: Task) -> float: ...
-
-
-def _jitter_factor(jitter: float, key: str) -> float:
-    # Seeded by the task's identity rather than drawn in run order, so that two policies that run the
-    # same tasks in different orders see exactly the same costs and can be compared fairly.
-    if jitter == 0.0:
-        return 1.0
-    return random.Random(key).uniform(1.0 - jitter, 1.0 + jitter)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CostModel:
-    """Durations in milliseconds. Compute time of a task = base time of its (rank, chunk) x the rank's
-    slowdown x a jitter factor in [1 - jitter, 1 + jitter]. Transfer time between different ranks =
-    latency + message_bytes / bandwidth, x a factor in [1 - link_jitter, 1 + link_jitter].
-    A transfer between two chunks of the same rank is free unless link_latency names (rank, rank)."""
-
-    forward_time: float = 1.0
-    backward_time: float = 2.0
-    stage_forward_time: Mapping[tuple[int, int], float] = field(default_factory=dict)  # (rank, chunk) -> ms
-    stage_backward_time: Mapping[tuple[int, int], float] = field(default_factory=dict)
-    rank_slowdown: Mapping[int, float] = field(default_factory=dict)  # rank -> factor, 1.5 = 50% slower
-    jitter: float = 0.0
-    p2p_latency: float = 0.0
-    link_latency: Mapping[tuple[int, int], float] = field(default_factory=dict)  # (src, dst) -> ms
-    message_bytes: float = 0.0  # size of one activation or gradient message
-    bandwidth_gbs: float | None = None  # GB/s on every link; None = unlimited
-    link_bandwidth_gbs: Mapping[tuple[int, int], float] = field(default_factory=dict)
-    link_jitter: float = 0.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        times = {"forward_time": self.forward_time, "backward_time": self.backward_time, "p2p_latency": self.p2p_latency}
-        times |= {f"stage_forward_time[{k}]": v for k, v in self.stage_forward_time.items()}
-        times |= {f"stage_backward_time[{k}]": v for k, v in self.stage_backward_time.items()}
-        times |= {f"link_latency[{k}]": v for k, v in self.link_latency.items()}
-        times["message_bytes"] = self.message_bytes
-        for name, value in times.items():
-            if value < 0:
-                raise ValueError(f"cost model: {name} must be >= 0, got {value}")
-        for rank, factor in self.rank_slowdown.items():
-            if factor <= 0:
-                raise ValueError(f"cost model: slowdown of rank {rank} must be > 0, got {factor}")
-        bandwidths = dict(self.link_bandwidth_gbs)
-        if self.bandwidth_gbs is not None:
-            bandwidths["all links"] = self.bandwidth_gbs
-        for link, value in bandwidths.items():
-            if value <= 0:
-                raise ValueError(f"cost model: bandwidth of {link} must be > 0 GB/s, got {value}")
-        for name in ("jitter", "link_jitter"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"cost model: {name} is relative and must be in [0, 1], got {getattr(self, name)}")
-
-    def compute_time(self, rank: int, task: Task) -> float:
-        if task.is_forward:
-            base = self.stage_forward_time.get((rank, task.chunk), self.forward_time)
-        else:
-            base = self.stage_backward_time.get((rank, task.chunk), self.backward_time)
-        slowdown = self.rank_slowdown.get(rank, 1.0)
-        return base * slowdown * _jitter_factor(self.jitter, f"{self.seed}:compute:{rank}:{task}")
-
-    def transfer_time(self, src_rank: int, dst_rank: int, task: Task) -> float:
-        link = (src_rank, dst_rank)
-        if src_rank == dst_rank and link not in self.link_latency:
-            return 0.0
-        latency = self.link_latency.get(link, self.p2p_latency)
-        bandwidth = self.link_bandwidth_gbs.get(link, self.bandwidth_gbs)
-        # GB/s = 1e6 bytes per millisecond.
-        wire = self.message_bytes / (bandwidth * 1e6) if bandwidth and self.message_bytes else 0.0
-        return (latency + wire) * _jitter_factor(self.link_jitter, f"{self.seed}:link:{src_rank}:{dst_rank}:{task}")
-
-
 # --------------------------------------------------------------------------------------- policies
-
-
-@dataclass(slots=True)
-class RankState:
-    """What a policy may look at when choosing; the simulator owns it, policies only read it."""
-
-    rank: int
-    layout: PipelineLayout
-    now: float = 0.0
-    executed: list[Task] = field(default_factory=list)  # in run order, including the running task
-    completed: set[Task] = field(default_factory=set)
-    remaining: set[Task] = field(default_factory=set)  # not started yet
-    stored_activations: int = 0  # forwards started whose backward has not finished
-    peak_stored_activations: int = 0
 
 
 @runtime_checkable
@@ -199,58 +99,63 @@ def static_policies(layout: PipelineLayout, orders: str | Sequence[Sequence[Task
     return [StaticOrderPolicy(order, layout=layout, pp_rank=rank) for rank, order in enumerate(orders)]
 
 
-# ---------------------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True, slots=True)
-class TaskRecord:
-    rank: int
-    task: Task
-    start: float
-    end: float
-
-
-@dataclass(frozen=True, slots=True)
-class TransferRecord:
-    """One P2P message: the producer's output travelling to the consumer task's input."""
-
-    src_rank: int
-    src_task: Task
-    dst_rank: int
-    dst_task: Task
-    send_time: float
-    arrival_time: float
-
-
-@dataclass(frozen=True, slots=True)
-class SimulationResult:
-    layout: PipelineLayout
-    records: tuple[TaskRecord, ...]  # in start order
-    transfers: tuple[TransferRecord, ...]
-    makespan: float
-    busy_time: tuple[float, ...]  # per rank, ms of compute
-    peak_stored_activations: tuple[int, ...]  # per rank
-
-    @property
-    def busy_fractions(self) -> tuple[float, ...]:
-        return tuple(busy / self.makespan if self.makespan > 0 else 1.0 for busy in self.busy_time)
-
-    @property
-    def bubble_fractions(self) -> tuple[float, ...]:
-        """Idle share of the makespan per rank: 1 - busy / makespan."""
-        return tuple(1.0 - fraction for fraction in self.busy_fractions)
-
-    def rank_records(self, rank: int) -> list[TaskRecord]:
-        return [record for record in self.records if record.rank == rank]
-
-    def order(self, rank: int) -> list[Task]:
-        """The order in which `rank` actually ran its tasks."""
-        return [record.task for record in self.rank_records(rank)]
-
-
 # ------------------------------------------------------------------------------------- simulation
 
-_COMPLETE, _ARRIVE = 0, 1  # at equal times, completions are handled before arrivals (only for determinism)
+
+class PolicyProgram:
+    """A policy's rank as an action source of the engine: the receives of the dynamic lowering
+    first, then, each time the rank is free, the policy's choice among the ready tasks, lowered to
+    its compute and communication. The ready tasks are kept as messages arrive and computes end:
+    a task whose input is local, or has arrived, once its own forward (for a backward) is done."""
+
+    def __init__(self, layout: PipelineLayout, rank: int, policy: Policy) -> None:
+        self.policy = policy
+        self.lowering = DynamicLowering(layout, rank)
+        self.opened = False
+        self.local = {task for task, receive in self.lowering.receive_of.items() if receive is None}
+        self.arrived_for: set[Task] = set()  # tasks whose message is here, their forward done or not
+        self.ready: set[Task] = {task for task in self.local if task.is_forward}
+
+    @property
+    def state(self) -> RankState:
+        return self.lowering.state
+
+    def next_actions(self, now: float) -> Sequence[Action] | None:
+        if not self.opened:
+            self.opened = True
+            opening = self.lowering.opening()
+            if opening:
+                return opening
+        state = self.state
+        if not state.remaining:
+            return []
+        state.now = now
+        ready = sorted(self.ready)
+        choice = self.policy.choose(state, ready)
+        if choice is None:
+            return None
+        if choice not in self.ready:
+            raise PolicyError(
+                f"policy of rank {state.rank} chose {choice} at t={now:.3f} ms, which is not ready "
+                f"(ready: {format_schedule(ready) or 'none'})"
+            )
+        self.ready.discard(choice)
+        return self.lowering.run(choice)
+
+    def completed(self, action: Action) -> None:
+        task = action.task
+        self.lowering.finish(task)
+        own_backward = Task(TaskKind.BACKWARD, task.chunk, task.microbatch)
+        if task.is_forward and (own_backward in self.local or own_backward in self.arrived_for):
+            self.ready.add(own_backward)
+
+    def arrived(self, task: Task) -> None:
+        self.arrived_for.add(task)
+        if task.is_forward or Task(TaskKind.FORWARD, task.chunk, task.microbatch) in self.state.completed:
+            self.ready.add(task)
+
+    def receives(self) -> Iterable[Action]:
+        return self.lowering.receives()
 
 
 def simulate(layout: PipelineLayout, policies: Sequence[Policy], costs: TaskCosts | None = None) -> SimulationResult:
@@ -259,112 +164,12 @@ def simulate(layout: PipelineLayout, policies: Sequence[Policy], costs: TaskCost
     costs = CostModel() if costs is None else costs
     if len(policies) != layout.pp_size:
         raise ValueError(f"need one policy per rank: got {len(policies)} for pp_size {layout.pp_size}")
-    states = [RankState(rank=rank, layout=layout, remaining=set(layout.tasks())) for rank in range(layout.pp_size)]
-    arrived: list[set[Task]] = [set() for _ in states]  # input here, maybe still waiting for its own forward
-    ready: list[set[Task]] = [set() for _ in states]
-    running: list[tuple[Task, float] | None] = [None for _ in states]
-    events: list[tuple[float, int, int, int, Task]] = []
-    records: list[TaskRecord] = []
-    transfers: list[TransferRecord] = []
-    busy = [0.0 for _ in states]
-    sequence = 0
-    consumers = receive_index(layout)
-
-    def push(time: float, kind: int, rank: int, task: Task) -> None:
-        nonlocal sequence
-        heapq.heappush(events, (time, kind, sequence, rank, task))
-        sequence += 1
-
-    def input_arrives(rank: int, task: Task) -> None:
-        arrived[rank].add(task)
-        own_forward = Task(TaskKind.FORWARD, task.chunk, task.microbatch)
-        if task.is_forward or own_forward in states[rank].completed:
-            ready[rank].add(task)
-
-    # The first virtual stage reads its data locally: every microbatch is available at time zero.
-    first_rank, first_chunk = layout.rank_and_chunk(0)
-    for microbatch in range(layout.num_microbatches):
-        input_arrives(first_rank, Task(TaskKind.FORWARD, first_chunk, microbatch))
-
-    now = 0.0
-    dirty = set(range(layout.pp_size))
-    while True:
-        for rank in sorted(dirty):
-            state = states[rank]
-            if running[rank] is not None or not state.remaining:
-                continue
-            state.now = now
-            choice = policies[rank].choose(state, sorted(ready[rank]))
-            if choice is None:
-                continue
-            if choice not in ready[rank]:
-                raise PolicyError(
-                    f"policy of rank {rank} chose {choice} at t={now:.3f} ms, which is not ready "
-                    f"(ready: {format_schedule(sorted(ready[rank])) or 'none'})"
-                )
-            ready[rank].discard(choice)
-            state.remaining.discard(choice)
-            state.executed.append(choice)
-            if choice.is_forward:
-                state.stored_activations += 1
-                state.peak_stored_activations = max(state.peak_stored_activations, state.stored_activations)
-            running[rank] = (choice, now)
-            push(now + costs.compute_time(rank, choice), _COMPLETE, rank, choice)
-        dirty.clear()
-        if not events:
-            break
-        now = events[0][0]
-        while events and events[0][0] == now:
-            _, kind, _, rank, task = heapq.heappop(events)
-            dirty.add(rank)
-            if kind == _ARRIVE:
-                input_arrives(rank, task)
-                continue
-            state = states[rank]
-            _, start = running[rank]
-            running[rank] = None
-            records.append(TaskRecord(rank, task, start, now))
-            busy[rank] += now - start
-            state.completed.add(task)
-            if not task.is_forward:
-                state.stored_activations -= 1
-            own_backward = Task(TaskKind.BACKWARD, task.chunk, task.microbatch)
-            if task.is_forward and layout.is_last_stage(rank, task.chunk):
-                input_arrives(rank, own_backward)  # the loss is computed locally, right after the forward
-            elif task.is_forward and own_backward in arrived[rank]:
-                ready[rank].add(own_backward)
-            # The message the IR's lowering sends after this task, to the task whose RECV has its tag.
-            send = send_of(layout, rank, task)
-            if send is not None:
-                peer_task = consumers[(send.peer, rank, send.tag)]
-                arrival = now + costs.transfer_time(rank, send.peer, task)
-                transfers.append(TransferRecord(rank, task, send.peer, peer_task, now, arrival))
-                push(arrival, _ARRIVE, send.peer, peer_task)
-
-    if any(state.remaining for state in states):
-        raise _deadlock(layout, policies, states, ready, now, records)
-    records.sort(key=lambda record: (record.start, record.rank))
-    makespan = max((record.end for record in records), default=0.0)
-    return SimulationResult(
-        layout=layout,
-        records=tuple(records),
-        transfers=tuple(transfers),
-        makespan=makespan,
-        busy_time=tuple(busy),
-        peak_stored_activations=tuple(state.peak_stored_activations for state in states),
-    )
-
-
-def receive_index(layout: PipelineLayout) -> dict[tuple[int, int, int], Task]:
-    """(receiving rank, sending rank, tag) -> the task that consumes the message, from the RECV
-    actions the IR's lowering gives every task of every rank."""
-    index = {}
-    for rank in range(layout.pp_size):
-        for task in layout.tasks():
-            receive = receive_of(layout, rank, task)
-            if receive is not None:
-                index[(rank, receive.peer, receive.tag)] = task
-    return index
+    programs = [PolicyProgram(layout, rank, policy) for rank, policy in enumerate(policies)]
+    engine = Engine(layout, programs, costs)
+    if not engine.run():
+        raise _deadlock(layout, policies, [program.state for program in programs],
+                        [program.ready for program in programs], engine.now, engine.records)
+    return engine.result()
 
 
 def simulate_schedule(name: str, layout: PipelineLayout, costs: TaskCosts | None = None) -> SimulationResult:
@@ -429,9 +234,6 @@ def _deadlock(
                 reason += f"; its policy chose none of the ready {ready_now}"
         lines.append(f"rank {rank}: {_render_order(state.executed, pending)} -- {reason}")
     return SimulationDeadlock("\n".join(lines), time=now, blocked=blocked, records=records)
-
-
-# ----------------------------------------------------------------------------------- chrome trace
 
 
 # ---------------------------------------------------------------------------------------------- cli

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from megatron.app.simulator import SimulationResult
+from megatron.app.simulator_model import SimulationResult
 
 
 def to_chrome_trace(result: SimulationResult, *, flows: bool = True) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """MegaDPP as an order source of the one pipeline executor: every receive of the iteration is
-posted as early as it is legal (the IR's eager lowering), and at each step the rank runs the
-policy's highest-priority task whose input has arrived. The communication of each chosen task is
-derived by the same pass as the static orders' (megatron.app.actions)."""
+posted as early as it is legal, and at each step the rank runs the policy's highest-priority task
+whose input has arrived. Each chosen task is lowered to actions by the IR's dynamic lowering
+(megatron.app.lower_dynamic), the one the simulator lowers its policies' choices with; peers are
+the pipeline's global ranks."""
 from __future__ import annotations
 
 import logging
@@ -10,10 +11,10 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron.app.actions import Action, compute, control_tag, eager_receives, sends_after, step_actions
+from megatron.app.actions import Action, control_tag, step_actions
 from megatron.app.executor import LossOptions, PipelineExecutor, StageContext
+from megatron.app.lower_dynamic import DynamicLowering, RankState
 from megatron.app.schedule import Task, TaskKind, format_schedule
-from megatron.app.simulator import RankState
 from megatron.app.transport import Message, Transport
 
 from .policy import DppPolicy
@@ -51,29 +52,23 @@ class DppOrder:
     def program(self, executor: PipelineExecutor, tasks: Sequence[Task], forward_only: bool,
                 step: bool) -> Iterator[Action]:
         layout, pp_rank = executor.layout, executor.stage.pp_rank  # the iteration's plan's layout
-        work = [task for task in layout.tasks() if task.is_forward or not forward_only]
-        state = RankState(rank=pp_rank, layout=layout, remaining=set(work))
+        lowering = DynamicLowering(layout, pp_rank, ranks=executor.stage.pp_global_ranks, forward_only=forward_only)
+        state = lowering.state
         # Forward-only runs store nothing, so no budget applies.
         everything = layout.num_chunks * layout.num_microbatches
         policy = DppPolicy(self.policy_name, layout, everything if forward_only else self.budget)
         try:
-            yield from eager_receives(layout, pp_rank, work)
+            yield from lowering.opening()
             decision = 0
             while state.remaining:
                 choice = self._decide(executor, decision, state, policy)
                 if choice is None:
                     executor.idle(self.idle_timeout_s)
                     continue
-                state.remaining.discard(choice)
-                state.executed.append(choice)
-                if choice.is_forward and not forward_only:
-                    state.stored_activations += 1
-                    state.peak_stored_activations = max(state.peak_stored_activations, state.stored_activations)
-                yield compute(choice)
-                state.completed.add(choice)
-                if not choice.is_forward:
-                    state.stored_activations -= 1
-                yield from sends_after(layout, pp_rank, choice, eager=True, forward_only=forward_only)
+                compute_action, *communication = lowering.run(choice)
+                yield compute_action
+                lowering.finish(choice)
+                yield from communication
                 decision += 1
         except Exception:
             logger.error("rank %d (pp rank %d, dpp policy %s) failed; ran: %s; still to run: %s",
@@ -88,10 +83,7 @@ class DppOrder:
         executor.flush()  # the last task's output goes out before this rank waits on anything
         if not self.is_leader:
             return self._decision_from_leader(executor, decision)
-        ready = sorted(task for task in state.remaining
-                       if (task.is_forward or Task(TaskKind.FORWARD, task.chunk, task.microbatch) in state.completed)
-                       and executor.input_arrived(task))
-        choice = policy.choose(state, ready)
+        choice = policy.choose(state, state.ready(executor.input_arrived))
         if choice is not None and self.followers:
             code = torch.tensor([_KINDS.index(choice.kind), choice.chunk, choice.microbatch], dtype=torch.int64)
             tag = control_tag(executor.layout, decision)

@@ -1,6 +1,7 @@
 """MegaDPP scheduling policies: which ready task a rank runs next (dfc, bfc, adaptive), with the
 activation-memory admission rule. Pure Python; the same objects drive the runtime executor and the
-simulator (they satisfy megatron.app.simulator.Policy)."""
+simulator (they satisfy megatron.app.simulator.Policy), both over a RankState
+(megatron.app.lower_dynamic)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -14,7 +15,7 @@ __all__ = ["POLICY_NAMES", "DppPolicy", "MemoryLedger", "minimum_budget", "stati
 POLICY_NAMES = ("adaptive", "dfc", "bfc")
 
 
-class _ExecutedView(Protocol):  # structurally megatron.app.simulator.RankState
+class _ExecutedView(Protocol):  # structurally megatron.app.lower_dynamic.RankState
     layout: PipelineLayout
     executed: list[Task]
     stored_activations: int
@@ -132,7 +133,7 @@ class MemoryLedger:
 class DppPolicy:
     """One rank's dynamic policy (budget None: the policy's default_budget). `choose(state, ready)` returns the highest-priority ready task that
     the memory budget admits, or None to wait for the next arrival. `state` needs `executed` (tasks
-    in start order) and `stored_activations`, as megatron.app.simulator.RankState has."""
+    in start order) and `stored_activations`, as megatron.app.lower_dynamic.RankState has."""
 
     def __init__(self, name: str, layout: PipelineLayout, budget: int | None = None) -> None:
         if name not in POLICY_NAMES:

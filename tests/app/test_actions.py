@@ -105,3 +105,38 @@ def test_every_static_schedule_is_lowered_by_the_same_pass():
         Action(Op.RECV, build_schedule("gpipe", layout, 0)[1], 1, message_tag("B", 0, 0, 1)),
         Action(Op.BACKWARD, build_schedule("gpipe", layout, 0)[1]),
     ]
+
+
+# --- a peer is a global rank -------------------------------------------------------------------
+def test_a_peer_is_the_global_rank_of_the_pipeline_rank_on_the_other_end():
+    """PP=2 inside a TP=2 world: the pipeline of TP rank 1 is global ranks 1 and 3, and every
+    peer the passes name is one of those, never a pipeline rank."""
+    layout, ranks = PipelineLayout(2, 2, 4), [1, 3]
+    orders = [build_schedule("interleaved", layout, rank) for rank in range(2)]
+    programs = [lower(layout, rank, order, ranks=ranks, step=True) for rank, order in enumerate(orders)]
+    assert format_actions(programs[1][:3]) == "RECV(F0.0<-1) F0.0 SEND(F0.0->1)"
+    for rank, program in enumerate(programs):
+        assert {a.peer for a in program if a.is_communication} == {ranks[1 - rank]}
+        dynamic = eager_receives(layout, rank, orders[rank], ranks=ranks) + [
+            a for task in orders[rank] for a in sends_after(layout, rank, task, eager=True, ranks=ranks)]
+        assert {a.peer for a in dynamic} == {ranks[1 - rank]}
+    check_matching(layout, programs, ranks=ranks)
+    with pytest.raises(ValueError, match=r"peers \[3\] have no action list here .* pass each list's global rank"):
+        check_matching(layout, programs)
+    # Without ranks the world is the one pipeline: its pipeline ranks are the global ranks.
+    assert lower(layout, 1, orders[1]) == lower(layout, 1, orders[1], ranks=range(2))
+    with pytest.raises(ValueError, match=r"global rank of each of the pp_size\(2\) pipeline ranks, got 3"):
+        lower(layout, 0, orders[0], ranks=[0, 2, 4])
+
+
+def test_lists_with_global_peers_simulate_as_the_pipeline_they_are():
+    layout = PipelineLayout(4, 1, 8)
+    orders = [build_schedule("1f1b", layout, rank) for rank in range(4)]
+    costs = CostModel(p2p_latency=0.2, jitter=0.3, seed=5)
+    ranks = [2, 6, 10, 14]  # a pipeline of TP=2 x DP=2 x PP=4
+    by_global = simulate_actions(layout, [lower(layout, r, o, ranks=ranks) for r, o in enumerate(orders)], costs,
+                                 ranks=ranks)
+    assert by_global == simulate_lowered("1f1b", layout, costs)
+    with pytest.raises(ValueError, match=r"peers \[6, 10, 14\] have no action list here"):
+        simulate_actions(layout, [lower(layout, r, o, ranks=ranks) for r, o in enumerate(orders)], costs,
+                         ranks=[0, 1, 2, 3])

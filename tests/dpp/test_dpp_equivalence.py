@@ -59,7 +59,7 @@ def test_twenty_iteration_loss_curve(compared):
 def test_the_simulator_runs_the_action_lists_the_runtime_executed(compared):
     """Each pipeline's recorded action lists (dynamic orders, eager receives, TP decisions aside)
     match send for receive and run to the end in the action simulator, every task once."""
-    cases = [case for rank_cases in compared for case in rank_cases]
+    cases = [dict(case, rank=rank) for rank, rank_cases in enumerate(compared) for case in rank_cases]
     for layout_name in LAYOUTS:
         for policy in ("adaptive", "dfc", "bfc"):
             for tp_rank in (0, 1):
@@ -72,7 +72,7 @@ def test_the_simulator_runs_the_action_lists_the_runtime_executed(compared):
                 programs = [[Action(Op(op), Task.parse(task) if task else None, peer, tag)
                              for op, task, peer, tag in case["actions"]] for case in pipeline]
                 assert all(any(a.op is Op.SEND for a in program) for program in programs)
-                result = simulate_actions(layout, programs)
+                result = simulate_actions(layout, programs, ranks=[c["rank"] for c in pipeline])
                 for rank, case in enumerate(pipeline):
                     assert [str(t) for t in result.order(rank)] == case["order"]
                     assert sorted(result.order(rank)) == sorted(layout.tasks())
