@@ -67,12 +67,11 @@ class TrainContext:
     plugins: PluginSet | None = None  # the enabled plugins, whose hooks compose values for the spine
     _schedules: dict = field(default_factory=dict)  # microbatch count -> (layout, static order)
 
-    def make_transport(self, base=None):
-        """A P2P transport as every executor of this rank gets one: `base` (default: a plugin's
-        `make_transport`, else torch.distributed's) wrapped by each plugin's `wrap_transport`."""
+    def make_transport(self):
+        """This rank's P2P transport, as every executor of it gets it: a plugin's `make_transport`,
+        else torch.distributed's, wrapped by each plugin's `wrap_transport` in order."""
         plugins = self.plugins or PluginSet([])
-        if base is None:
-            base = plugins.first("make_transport", self) or TorchDistributedTransport()
+        base = plugins.first("make_transport", self) or TorchDistributedTransport()
         return plugins.compose("wrap_transport", base, self)
 
     @property

@@ -21,6 +21,7 @@ from megatron.app.simulator import (CostModel, PolicyError, SimulationDeadlock, 
 from megatron.app.simulator_actions import simulate_actions
 from megatron.dpp.policy import POLICY_NAMES, default_budget, dpp_policies, minimum_budget
 from megatron.dpp.simulate import main as dpp_main
+from simulation_cases import random_case
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "simulator_reference.json"
 F, B = TaskKind.FORWARD, TaskKind.BACKWARD
@@ -115,17 +116,6 @@ def _lowered(name: str, layout: PipelineLayout, eager: bool) -> list:
             for rank, order in enumerate(orders)]
 
 
-def _random_case(seed: int) -> tuple[PipelineLayout, CostModel]:
-    rng = random.Random(seed)
-    pp, chunks = rng.choice([1, 2, 3, 4, 6]), rng.choice([1, 1, 2, 3])
-    layout = PipelineLayout(pp, chunks, rng.choice([1, 2, 3, 4, 5, 8, 12]))
-    costs = CostModel(forward_time=rng.uniform(0.2, 3), backward_time=rng.uniform(0.2, 5),
-                      p2p_latency=rng.uniform(0, 3), jitter=rng.uniform(0, 1), link_jitter=rng.uniform(0, 1),
-                      rank_slowdown={rng.randrange(pp): rng.uniform(1, 4)},
-                      link_latency={(rng.randrange(pp), rng.randrange(pp)): rng.uniform(0, 10)}, seed=seed)
-    return layout, costs
-
-
 class BackwardFirst:
     """Any ready backward first, else the lowest ready forward."""
 
@@ -193,7 +183,7 @@ def _all_scenarios() -> Iterator[tuple[str, Callable[[], dict]]]:
                        lambda n=name, l=layout, c=costs, e=eager: outcome(
                            lambda: simulate_actions(l, _lowered(n, l, e), c), sorted_transfers=True))
     for seed in range(30):
-        layout, costs = _random_case(seed)
+        layout, costs = random_case(seed)
         rng = random.Random(seed * 7 + 1)
         budgets = [None, minimum_budget(layout), default_budget("adaptive", layout),
                    rng.randint(minimum_budget(layout), layout.num_chunks * layout.num_microbatches)]

@@ -10,23 +10,13 @@ from megatron.app.schedule import PipelineLayout, Task
 from megatron.app.simulator import CostModel, RankState, simulate, simulate_schedule, static_policies
 from megatron.dpp.policy import (DppPolicy, default_budget, dpp_policies, minimum_budget,
                                  static_peak_activations)
-
-
-def _random_case(seed: int) -> tuple[PipelineLayout, CostModel]:
-    rng = random.Random(seed)
-    pp, chunks = rng.choice([1, 2, 3, 4, 6]), rng.choice([1, 1, 2, 3])
-    layout = PipelineLayout(pp, chunks, rng.choice([1, 2, 3, 4, 5, 8, 12]))
-    costs = CostModel(forward_time=rng.uniform(0.2, 3), backward_time=rng.uniform(0.2, 5),
-                      p2p_latency=rng.uniform(0, 3), jitter=rng.uniform(0, 1), link_jitter=rng.uniform(0, 1),
-                      rank_slowdown={rng.randrange(pp): rng.uniform(1, 4)},
-                      link_latency={(rng.randrange(pp), rng.randrange(pp)): rng.uniform(0, 10)}, seed=seed)
-    return layout, costs
+from simulation_cases import random_case
 
 
 @pytest.mark.parametrize("policy", ["adaptive", "dfc", "bfc"])
 def test_random_delays_never_deadlock_and_keep_the_budget(policy):
     for seed in range(250):
-        layout, costs = _random_case(seed)
+        layout, costs = random_case(seed)
         rng = random.Random(seed * 7 + 1)
         budget = rng.choice([None, minimum_budget(layout), default_budget("adaptive", layout),
                              rng.randint(minimum_budget(layout), layout.num_chunks * layout.num_microbatches)])
@@ -38,7 +28,7 @@ def test_random_delays_never_deadlock_and_keep_the_budget(policy):
 
 def test_adaptive_default_budget_is_kept_under_jitter():
     for seed in range(100):
-        layout, costs = _random_case(seed)
+        layout, costs = random_case(seed)
         budget = default_budget("adaptive", layout)
         result = simulate(layout, dpp_policies(layout, "adaptive"), costs)
         assert max(result.peak_stored_activations) <= budget
