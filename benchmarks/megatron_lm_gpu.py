@@ -56,7 +56,7 @@ def model_args(m: dict, iters: int | None = None) -> list[str]:
             "--transformer-impl", "local", "--seed", "1234"]
 
 
-THEIRS = ["--tokenizer-type", "NullTokenizer", "--no-gradient-accumulation-fusion", "--eval-iters", "0",
+THEIRS = ["--tokenizer-type", "NullTokenizer", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--eval-iters", "0",
           "--eval-interval", "1000000", "--distributed-backend", "nccl"]
 
 
@@ -145,7 +145,7 @@ class Session:
         if traced:
             command = [sys.executable, "-m", "megatron.scan", "launch", "--trace-dir", str(trace), "--"] + command
         code, text = self.run(f"megatron-lm {model}{' traced' if traced else ''}", command, cwd=self.mlm,
-                              timeout=240, env=self.env(self.make_shim()))
+                              timeout=180, env=self.env(self.make_shim()))
         result = training_result(code, text, m)
         if traced and trace.is_dir():
             result.figures.update(self.trace_checks(trace))

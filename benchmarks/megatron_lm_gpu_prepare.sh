@@ -5,7 +5,8 @@
 # megatron-core in use (default: clone it). Writes OUT_DIR/mlm (the tag's pretrain_gpt.py, its
 # builders and megatron/, with the dataset helper megatron-core's wheel ships, built from the same
 # source) and OUT_DIR/whl (megatron-core and the packages Megatron-LM's training code imports that a
-# plain CUDA PyTorch image may lack: pydantic and its parts). OUT_DIR defaults to the repository
+# plain CUDA PyTorch image may lack: pydantic and its parts, six, regex, PyYAML, packaging, tqdm;
+# and pybind11, which building shm_tensor_rdma there needs). OUT_DIR defaults to the repository
 # root's .gpu/, which .git/info/exclude should ignore.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -29,7 +30,8 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manyl
   platforms+=(--platform "$p")
 done
 $python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
-  -d "$out/whl" "megatron-core==$version" pydantic pydantic-core annotated-types typing-inspection
+  -d "$out/whl" "megatron-core==$version" pydantic pydantic-core annotated-types typing-inspection \
+  six regex pyyaml packaging tqdm pybind11
 # pydantic names the pydantic-core it needs exactly: fetch that one if the newest differs.
 need=$(unzip -p "$out"/whl/pydantic-[0-9]*.whl '*/METADATA' | sed -n 's/^Requires-Dist: pydantic-core==\([^ ;]*\).*/\1/p')
 if [[ -n $need ]] && ! ls "$out"/whl/pydantic_core-"$need"-*.whl >/dev/null 2>&1; then

@@ -25,7 +25,12 @@ def learning_rate(cfg, iteration: int, peak: float | None = None, floor: float |
 
 
 def set_learning_rate(ctx) -> float:
-    """This iteration's learning rate, set on every optimizer parameter group."""
+    """This iteration's learning rate, set on every optimizer parameter group.
+
+    Our CPU optimizer marks the embedding and output group "decoupled". megatron-core's groups
+    carry their own schedule ends, "max_lr" and "min_lr" (under --decoupled-lr its embedding and
+    output group has max_lr = decoupled_lr), and an "lr_mult"; each such group follows the same
+    warmup and decay between its own ends. Returns the rate of the groups on the default schedule."""
     o = ctx.cfg.optimizer
     lr = learning_rate(ctx.cfg, ctx.iteration)
     decoupled = None
@@ -33,7 +38,9 @@ def set_learning_rate(ctx) -> float:
         decoupled = learning_rate(ctx.cfg, ctx.iteration, o.decoupled_lr,
                                   o.decoupled_min_lr if o.decoupled_min_lr is not None else o.min_lr)
     for group in ctx.optimizer.param_groups:
-        # Our CPU optimizer marks the group "decoupled"; megatron-core's, "is_decoupled_lr".
-        group["lr"] = decoupled if decoupled is not None and (group.get("decoupled") or group.get("is_decoupled_lr")) \
-            else lr
+        if "max_lr" in group:  # megatron-core's group
+            group["lr"] = learning_rate(ctx.cfg, ctx.iteration, group["max_lr"], group["min_lr"]) \
+                * group.get("lr_mult", 1.0)
+        else:
+            group["lr"] = decoupled if decoupled is not None and group.get("decoupled") else lr
     return lr
