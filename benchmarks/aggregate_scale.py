@@ -4,6 +4,7 @@ of the aggregating process and its loader processes. Goals on 2 cores: 1024 rank
 < 4 GiB; 4096 ranks (--dp 64) in < 120 s and < 8 GiB.
   python benchmarks/aggregate_scale.py [--tp 8 --pp 8 --dp 16] [--jobs 2] [--keep DIR]
   python benchmarks/aggregate_scale.py --sweep 4,8,16,32,64   # DP sizes: 256 .. 4096 ranks, one table
+  python benchmarks/aggregate_scale.py --dp 64 --format perfetto --focus-suspects 1000  # .pftrace + focused view
 """
 from __future__ import annotations
 
@@ -39,6 +40,11 @@ def main() -> int:
                         help="run once per data-parallel size (each in its own process, so peak memory is its "
                              "own) and print the growth table")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON line")
+    parser.add_argument("--format", choices=("chrome", "perfetto"), default="chrome",
+                        help="merged trace format: Chrome JSON or Perfetto protobuf (default %(default)s)")
+    parser.add_argument("--focus-suspects", default=None, metavar="RANK,RANK,...",
+                        help="also write the focused view (scripts/aggregate.py --focus) for these suspect ranks and "
+                             "report its size")
     args = parser.parse_args()
     if args.sweep:
         return sweep(args)
@@ -49,8 +55,8 @@ def main() -> int:
     generate(spec, directory)
     generated = time.perf_counter() - started
     size = sum(p.stat().st_size for p in directory.iterdir())
-    output = directory / "merged.json"
-    result = aggregate(directory, output, jobs=args.jobs)
+    output = directory / ("merged.pftrace" if args.format == "perfetto" else "merged.json")
+    result = aggregate(directory, output, jobs=args.jobs, trace_format=args.format)
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
     summary = result.summary()
@@ -59,7 +65,9 @@ def main() -> int:
     figures = dict(ranks=spec.world_size, events=summary["events"], input_mb=size / 1e6, generate=generated,
                    load=t["load"], match=t["match"], align=t["align"], emit=t["emit"], total=t["total"],
                    output_mb=output.stat().st_size / 1e6, rss_main=own, rss_loader=children,
-                   spread_p95=float(sorted(spread)[int(0.95 * len(spread))]))
+                   spread_p95=float(sorted(spread)[int(0.95 * len(spread))]), format=args.format)
+    if args.focus_suspects:
+        figures.update(focus(result, directory, args))
     if args.json:
         print(json.dumps(figures))
         return 0
@@ -75,7 +83,7 @@ def main() -> int:
         ("load (s)", f"{t['load']:.2f}"),
         ("match (s)", f"{t['match']:.2f}"),
         ("align (s)", f"{t['align']:.2f}"),
-        ("emit chrome json (s)", f"{t['emit']:.2f}"),
+        (f"emit {args.format} (s)", f"{t['emit']:.2f}"),
         ("aggregate total (s)", f"{t['total']:.2f}"),
         ("output (MB)", f"{output.stat().st_size / 1e6:.1f}"),
         ("peak RSS main (GiB)", f"{own:.2f}"),
@@ -83,9 +91,28 @@ def main() -> int:
         ("spread p95 aligned (us)", f"{float(sorted(spread)[int(0.95 * len(spread))]):.1f}"),
         goal_row(spec.world_size, t["total"], own + children),
     ]
+    if args.focus_suspects:
+        rows += [("focused view ranks", str(figures["focus_ranks"])),
+                 ("focused view (MB)", f"{figures['focus_mb']:.1f}"),
+                 ("focused view write (s)", f"{figures['focus_s']:.2f}")]
     for name, value in rows:
         print(f"{name:24s} {value:>12s}")
     return 0
+
+
+def focus(result, directory: Path, args) -> dict:
+    """The focused view of --focus-suspects, written as the merged trace's format."""
+    from megatron.scan.chrome import write_chrome_trace
+    from megatron.scan.perfetto import focus_ranks, subset, write_perfetto_trace
+
+    started = time.perf_counter()
+    chosen = focus_ranks(result.trace, [int(r) for r in args.focus_suspects.split(",")])
+    path = directory / ("focused_trace.pftrace" if args.format == "perfetto" else "focused_trace.json")
+    writer = write_perfetto_trace if args.format == "perfetto" else write_chrome_trace
+    writer(*subset(result.trace, result.collectives, result.p2p, chosen.ranks), path,
+           other_data={"megascan_focus": chosen.note()})
+    return dict(focus_ranks=len(chosen.ranks), focus_mb=path.stat().st_size / 1e6,
+                focus_s=time.perf_counter() - started)
 
 
 def goal_row(ranks: int, seconds: float, gib: float) -> tuple[str, str]:

@@ -64,8 +64,9 @@ def collective_end_spread_us(trace: GlobalTrace, collectives: Collectives) -> np
 def aggregate(directory: str | os.PathLike, output: str | os.PathLike | None = None, *, jobs: int | None = None,
               run_id: str | None = None, allow_drift: bool = True, do_align: bool = True,
               fitted: dict[tuple[int, int], tuple[float, float]] | None = None,
-              progress: Reporter = SILENT) -> Aggregation:
-    """Run the whole pipeline; writes the Chrome trace to `output` when given. `fitted`: clock
+              progress: Reporter = SILENT, trace_format: str = "chrome") -> Aggregation:
+    """Run the whole pipeline; writes the trace to `output` when given (`trace_format` "chrome":
+    Chrome JSON, "perfetto": Perfetto protobuf). `fitted`: clock
     corrections of windows aligned before (see align), reused instead of fitted again. `progress`
     reports each step on stderr (the CLIs pass one; silent by default)."""
     timings: dict[str, float] = {}
@@ -88,9 +89,21 @@ def aggregate(directory: str | os.PathLike, output: str | os.PathLike | None = N
     timings["align"] = time.perf_counter() - mark
     result = Aggregation(trace=trace, collectives=collectives, p2p=p2p, alignment=alignment, timings=timings)
     if output is not None:
-        mark = time.perf_counter()
-        summary = result.summary()
-        write_chrome_trace(trace, collectives, p2p, output, other_data={"megascan": summary}, progress=progress)
-        timings["emit"] = time.perf_counter() - mark
+        write_trace(result, output, trace_format, progress=progress)
     timings["total"] = time.perf_counter() - started
     return result
+
+
+def write_trace(result: Aggregation, output: str | os.PathLike, trace_format: str = "chrome", *,
+                progress: Reporter = SILENT) -> dict[str, int]:
+    """Write the merged trace as Chrome JSON or Perfetto protobuf; times it as timings["emit"]."""
+    mark = time.perf_counter()
+    writer = write_chrome_trace
+    if trace_format == "perfetto":
+        from megatron.scan.perfetto import write_perfetto_trace as writer
+    elif trace_format != "chrome":
+        raise ValueError(f"unknown trace format {trace_format!r}: chrome or perfetto")
+    counts = writer(result.trace, result.collectives, result.p2p, output, other_data={"megascan": result.summary()},
+                    progress=progress)
+    result.timings["emit"] = time.perf_counter() - mark
+    return counts

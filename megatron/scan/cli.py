@@ -1,5 +1,5 @@
-"""`python -m megatron.scan <command>`: `aggregate DIR -o OUT.json` merges, aligns and links all
-rank traces into one Chrome trace; `synthesize` writes synthetic 3D-parallel traces; `detect`,
+"""`python -m megatron.scan <command>`: `aggregate DIR -o OUT.json|OUT.pftrace` merges, aligns and
+links all rank traces into one Chrome or Perfetto trace; `synthesize` writes synthetic 3D-parallel traces; `detect`,
 `hang`, `launch`, and `fault` (faults applied to a running job from outside)."""
 from __future__ import annotations
 
@@ -11,6 +11,12 @@ from typing import Sequence
 from megatron.scan.load import AggregateError
 
 
+TRACE_FORMATS = ("chrome", "perfetto")
+AUTO_PERFETTO_RANKS = 1024  # above this many ranks, no -o and no --format: Perfetto (Chrome JSON gets too big)
+OUTPUT_HELP = ("trace to write: Chrome JSON, or Perfetto protobuf for a .pftrace/.perfetto-trace name (default: "
+               "DIR/merged_trace.json; DIR/merged_trace.pftrace above 1024 ranks)")
+
+
 def add_aggregate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", "-j", type=int, default=None, help="processes loading rank files (default: cores)")
     parser.add_argument("--run-id", default=None, help="aggregate only this run when a directory holds several")
@@ -18,19 +24,59 @@ def add_aggregate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-align", action="store_true", help="keep each rank's own wall clock")
     parser.add_argument("--summary", default=None, metavar="FILE", help="also write the summary as JSON")
     parser.add_argument("--quiet", "-q", action="store_true", help="print warnings and errors only")
+    parser.add_argument("--format", choices=TRACE_FORMATS, default=None, dest="trace_format",
+                        help="chrome: Chrome trace JSON (chrome://tracing, Perfetto UI; large); perfetto: Perfetto's "
+                             "protobuf trace (ui.perfetto.dev; about a third of the size, opens at thousands of "
+                             "ranks). Default: from the -o name; without -o, chrome up to 1024 ranks, perfetto above")
+    parser.add_argument("--focus", action="store_true",
+                        help="also write DIR/focused_trace.json|.pftrace: only the ranks slow-rank detection names, "
+                             "their peers (same stage in other DP replicas, their TP group), their pipeline "
+                             "neighbours, rank 0 and --focus-sample other ranks; runs detection unless -d did")
+    parser.add_argument("--focus-sample", type=int, default=16, metavar="N",
+                        help="healthy ranks the focused view keeps for comparison, evenly spread (default %(default)s)")
 
 
-def run_aggregate(directory: str, output: str, args: argparse.Namespace) -> int:
+def format_for(output: str | None, trace_format: str | None) -> str | None:
+    """The format an -o name and --format ask for; None when neither says. Raises AggregateError
+    when they disagree (an extension naming the other format)."""
+    named = None
+    if output is not None:
+        lowered = output.lower()
+        if lowered.endswith((".pftrace", ".perfetto-trace")):
+            named = "perfetto"
+        elif lowered.endswith(".json"):
+            named = "chrome"
+    if trace_format is not None and named is not None and trace_format != named:
+        raise AggregateError(f"-o {output} names a {named} trace but --format {trace_format} was given: use a "
+                             f"{'.pftrace' if trace_format == 'perfetto' else '.json'} name or drop --format")
+    return trace_format or named
+
+
+def aggregate_and_write(directory: str, output: str | None, args: argparse.Namespace):
+    """Aggregate and write the merged trace; returns (status, Aggregation or None, output, format)."""
+    import os
+
     from megatron.app.progress import reporter
-    from megatron.scan.aggregate import aggregate
+    from megatron.scan.aggregate import aggregate, write_trace
 
+    progress = reporter("aggregate", quiet=args.quiet)
     try:
+        trace_format = format_for(output, getattr(args, "trace_format", None))
         # Progress goes to stderr, never into the summary on stdout; --quiet or MEGATRON_PROGRESS=0 silences it.
-        result = aggregate(directory, output, jobs=args.jobs, run_id=args.run_id, allow_drift=not args.no_drift,
-                           do_align=not args.no_align, progress=reporter("aggregate", quiet=args.quiet))
+        result = aggregate(directory, None, jobs=args.jobs, run_id=args.run_id, allow_drift=not args.no_drift,
+                           do_align=not args.no_align, progress=progress)
     except AggregateError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return 2, None, output, None
+    automatic = trace_format is None and output is None and len(result.trace.ranks) > AUTO_PERFETTO_RANKS
+    trace_format = "perfetto" if automatic else trace_format or "chrome"
+    output = output or os.path.join(directory, "merged_trace.pftrace" if trace_format == "perfetto"
+                                    else "merged_trace.json")
+    if automatic:
+        print(f"note: {len(result.trace.ranks)} ranks (> {AUTO_PERFETTO_RANKS}): writing the Perfetto protobuf trace "
+              f"{output} (open it in ui.perfetto.dev); --format chrome writes Chrome JSON", file=sys.stderr)
+    write_trace(result, output, trace_format, progress=progress)
+    result.timings["total"] += result.timings["emit"]
     summary = result.summary()
     for warning in summary["warnings"]:
         print(f"warning: {warning}", file=sys.stderr)
@@ -39,6 +85,53 @@ def run_aggregate(directory: str, output: str, args: argparse.Namespace) -> int:
             json.dump(summary, f, indent=1)
     if not args.quiet:
         print(format_summary(summary, output))
+    return 0, result, output, trace_format
+
+
+def run_aggregate(directory: str, output: str | None, args: argparse.Namespace) -> int:
+    status, result, _, trace_format = aggregate_and_write(directory, output, args)
+    if status or not getattr(args, "focus", False):
+        return status
+    return write_focus(result, directory, trace_format, args)
+
+
+def detected_suspects(result) -> list[int]:
+    """Every rank a suspect of detection names (slow ranks and both ends of slow links), detection
+    run on the aggregation in hand (no second load)."""
+    from megatron.scan.detect import detect, from_aggregation
+
+    detection = detect(from_aggregation(result))
+    return [rank for suspect in detection.suspects for rank in suspect.ranks]
+
+
+def suspects_in(abnormal_json: str) -> list[int]:
+    """The suspects' ranks in an abnormal.json written by detection (-d)."""
+    with open(abnormal_json) as f:
+        return [rank for suspect in json.load(f).get("suspects", []) for rank in suspect["ranks"]]
+
+
+def write_focus(result, directory: str, trace_format: str, args: argparse.Namespace,
+                suspects: list[int] | None = None) -> int:
+    """DIR/focused_trace.<ext>: see --focus. `suspects`: detection's, when it already ran."""
+    import os
+
+    from megatron.scan.chrome import write_chrome_trace
+    from megatron.scan.perfetto import focus_ranks, subset, write_perfetto_trace
+
+    if args.focus_sample < 0:
+        print("error: --focus-sample must be >= 0", file=sys.stderr)
+        return 2
+    if suspects is None:
+        suspects = detected_suspects(result)
+    focus = focus_ranks(result.trace, suspects, args.focus_sample)
+    path = os.path.join(directory, "focused_trace" + (".pftrace" if trace_format == "perfetto" else ".json"))
+    writer = write_perfetto_trace if trace_format == "perfetto" else write_chrome_trace
+    writer(*subset(result.trace, result.collectives, result.p2p, focus.ranks), path,
+           other_data={"megascan_focus": focus.note(), "megascan": result.summary()})
+    note = focus.note()
+    print(f"wrote focused view {path}: {len(focus.ranks)} of {len(result.trace.ranks)} ranks, "
+          f"{os.path.getsize(path) / 1e6:.1f} MB; suspects {note['kept'].get('suspect', 'none')}; "
+          f"{note['left_out_ranks']} ranks left out (listed in the file's megascan_focus note)")
     return 0
 
 
@@ -102,9 +195,9 @@ def format_alignment(alignment: dict) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron.scan", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("aggregate", help="merge a trace directory into one Chrome trace")
+    p = commands.add_parser("aggregate", help="merge a trace directory into one Chrome or Perfetto trace")
     p.add_argument("directory", help="trace directory written by --trace (or by `launch`): one file per rank")
-    p.add_argument("-o", "--output", default=None, help="Chrome trace to write (default: DIR/merged_trace.json)")
+    p.add_argument("-o", "--output", default=None, help=OUTPUT_HELP)
     add_aggregate_arguments(p)
     from megatron.scan import hang as hang_command
 
@@ -158,10 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "launch":
         return launcher.run(args)
     if args.command == "aggregate":
-        import os
-
-        output = args.output or os.path.join(args.directory, "merged_trace.json")
-        return run_aggregate(args.directory, output, args)
+        return run_aggregate(args.directory, args.output, args)
     from megatron.scan.synthetic import run as run_synthetic
 
     return run_synthetic(args)

@@ -101,14 +101,25 @@ def peer_median(values: np.ndarray, *, include_self: bool = False) -> np.ndarray
         if rows.any():
             out[rows] = np.nanmedian(values[rows], axis=1)[:, None]
         return out
-    for rank in range(values.shape[1]):
-        others = np.delete(values, rank, axis=1)
-        rows = np.delete(measured, rank, axis=1).any(axis=1)
-        if rows.all():
-            out[:, rank] = np.median(others, axis=1) if measured.all() else np.nanmedian(others, axis=1)
-        elif rows.any():
-            out[rows, rank] = np.nanmedian(others[rows], axis=1)
-    return out
+    # Leave-one-out medians from one sort per observation: with a row's measured values sorted,
+    # the median of all but the one at position k reads the sorted row skipping k (thousands of
+    # ranks per stage made the median of a copy without each rank cost ranks^2 x observations).
+    n_obs, n_ranks = values.shape
+    if not n_obs or not n_ranks:
+        return out
+    order = np.argsort(values, axis=1)  # nan last
+    ordered = np.take_along_axis(values, order, axis=1)
+    position = np.empty_like(order)
+    np.put_along_axis(position, order, np.broadcast_to(np.arange(n_ranks), values.shape), axis=1)
+    peers = measured.sum(axis=1, keepdims=True) - measured  # measured peers of each rank
+    skip = np.where(measured, position, n_ranks)  # an unmeasured rank skips nothing
+
+    def nth(i: np.ndarray) -> np.ndarray:
+        index = np.clip(i + (i >= skip), 0, n_ranks - 1)
+        return np.take_along_axis(ordered, index, axis=1)
+
+    median = (nth((peers - 1) // 2) + nth(peers // 2)) / 2
+    return np.where(peers > 0, median, np.nan)
 
 
 def log_ratio_to_peers(log_values: np.ndarray) -> np.ndarray:

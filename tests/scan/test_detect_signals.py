@@ -3,12 +3,15 @@ slowdown that turns 'no suspect' into `partial`, and per-iteration totals that s
 slowness the median task does not."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from megatron.scan.detect.combine import detect, job_slowdown_onset
 from megatron.scan.detect.compute import peer_comparison
 from megatron.scan.detect.host import host_starvation
 from megatron.scan.detect.model import DetectionInput, RankRole
+from megatron.scan.detect.multiplicity import FLOOR_MAX
 
 RNG = np.random.default_rng(7)
 
@@ -406,7 +409,10 @@ def test_a_rank_starved_from_mid_run_is_named_only_if_it_falls_behind_its_peer_f
     assert keeps_pace.host.findings[1].flagged and keeps_pace.host.findings[1].onset_iteration == 7
     assert keeps_pace.suspects == []
     compute, host = tables(1.15)
-    behind = detect(data(dp=2, pp=2, compute=compute, host=host))
+    # The compute floor of a loaded CPU host (1.2): these tables' 5% task noise would otherwise
+    # lower it (multiplicity.compute_floor) and let the compute comparison name 1.15x by itself.
+    cpu_floor = functools.partial(peer_comparison, min_slowdown=FLOOR_MAX)
+    behind = detect(data(dp=2, pp=2, compute=compute, host=host), compute=cpu_floor)
     assert not behind.compute.findings[1].flagged
     assert [(s.ranks, s.named_by) for s in behind.suspects] == [([1], ["host"])]
     assert behind.suspects[0].evidence[0].startswith("starved of CPU from iteration 7 on")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from megatron.scan.detect.combine import Detection, Suspect, detect
+from megatron.scan.detect.combine import Detection, detect
+from megatron.scan.detect.suspect import Suspect
 from megatron.scan.detect.model import DetectionInput, from_aggregation
 
 __all__ = ["Detection", "DetectionInput", "Suspect", "detect", "from_aggregation", "run_detection"]

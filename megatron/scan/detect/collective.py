@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron.scan.detect.model import DetectionInput
+from megatron.scan.detect.model import DetectionInput, unique_rows
+from megatron.scan.detect.multiplicity import job_threshold
 
 # The share of an iteration the other ranks must spend waiting for a rank (median over iterations)
 # before its arriving last can name it: a rank of a loaded host that arrives last by a few ms at
@@ -46,81 +47,152 @@ class ArrivalStage:
     notes: list[str] = field(default_factory=list)
 
 
+# Per (rank, iteration) summary of the collectives a rank took part in (see resolve_arrivals).
+STAT_COLUMNS = ("rank", "iteration", "instances", "sum_p", "sum_pq", "last", "max_late_ms")
+LATE_COLUMNS = ("rank", "iteration", "lateness_ms", "kind")  # one row per instance a rank was last at
+
+
+def one_stage_rows(data: DetectionInput, t: dict[str, np.ndarray]) -> np.ndarray:
+    """Rows of collective instances whose members are all of one pipeline stage. In a group that
+    spans stages (the embedding group of the first and last stage, a model-parallel group) who
+    arrives last is set by the schedule (the first stage ends its backward last in 1F1B), not by
+    anybody's speed. In every healthy PP=4 run of the default-settings benchmark, rank 0 was last
+    at 20 of 20 embedding all-reduces."""
+    if not len(t["instance"]):
+        return np.zeros(0, dtype=bool)
+    stages = {role.stage: i for i, role in enumerate(data.roles.values())}
+    stage_of_rank = np.full(max(max(data.roles, default=0), int(t["rank"].max())) + 1, -1, dtype=np.int64)
+    for r, role in data.roles.items():
+        stage_of_rank[r] = stages[role.stage]
+    stage = stage_of_rank[t["rank"].astype(np.int64)]
+    instance_ids, inverse = np.unique(t["instance"], return_inverse=True)
+    inverse = inverse.reshape(-1)
+    low = np.full(len(instance_ids), np.iinfo(np.int64).max)
+    high = np.full(len(instance_ids), np.iinfo(np.int64).min)
+    np.minimum.at(low, inverse, stage)
+    np.maximum.at(high, inverse, stage)
+    return (low == high)[inverse]
+
+
+def resolve_arrivals(t: dict[str, np.ndarray], rows: np.ndarray | None = None
+                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
+    """Who arrived last at each complete collective instance, and by how much (its arrival less
+    the second-latest), summed per (rank, iteration): STAT_COLUMNS and LATE_COLUMNS tables and the
+    number of instances. `rows`: which rows of `t` (every member of an instance, or none of it)."""
+    order = np.flatnonzero(rows) if rows is not None else np.arange(len(t["instance"]))
+    order = order[np.lexsort((t["arrive"][order], t["instance"][order]))]
+    instance, rank, arrive = t["instance"][order], t["rank"][order], t["arrive"][order]
+    kind, size = t["kind"][order], t["group_size"][order]
+    iteration = t["iteration"][order] if "iteration" in t else np.zeros(len(order), dtype=np.int64)
+    if not len(order):
+        return ({c: np.zeros(0, dtype=np.float64 if c in ("sum_p", "sum_pq", "max_late_ms") else np.int64)
+                 for c in STAT_COLUMNS},
+                {c: np.zeros(0, dtype=np.float64 if c == "lateness_ms" else np.int64) for c in LATE_COLUMNS}, 0)
+    last_row = np.flatnonzero(np.append(instance[1:] != instance[:-1], True))  # latest arrival of each instance
+    second = last_row - 1  # sorted by arrival within an instance, sizes >= 2
+    lateness = (arrive[last_row] - arrive[second]) / 1e6
+    probability = 1.0 / size
+    was_last = np.zeros(len(order), dtype=bool)
+    was_last[last_row] = True
+    row_lateness = np.zeros(len(order))
+    row_lateness[last_row] = lateness
+    cells, cell_of = unique_rows(np.column_stack([rank, iteration]))
+    count = len(cells)
+    max_late = np.zeros(count)
+    np.maximum.at(max_late, cell_of, row_lateness)
+    stats = {"rank": cells[:, 0].astype(np.int64), "iteration": cells[:, 1].astype(np.int64),
+             "instances": np.bincount(cell_of, minlength=count).astype(np.int64),
+             "sum_p": np.bincount(cell_of, weights=probability, minlength=count),
+             "sum_pq": np.bincount(cell_of, weights=probability * (1 - probability), minlength=count),
+             "last": np.bincount(cell_of, weights=was_last, minlength=count).astype(np.int64),
+             "max_late_ms": max_late}
+    late = {"rank": rank[last_row].astype(np.int64), "iteration": iteration[last_row].astype(np.int64),
+            "lateness_ms": lateness, "kind": kind[last_row].astype(np.int64)}
+    return stats, late, len(last_row)
+
+
+def merge_stats(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """STAT_COLUMNS tables of disjoint instance sets, one row per (rank, iteration)."""
+    rank = np.concatenate([p["rank"] for p in parts])
+    iteration = np.concatenate([p["iteration"] for p in parts])
+    cells, cell_of = unique_rows(np.column_stack([rank, iteration]))
+    out = {"rank": cells[:, 0].astype(np.int64), "iteration": cells[:, 1].astype(np.int64)}
+    for column in ("instances", "sum_p", "sum_pq", "last"):
+        values = np.bincount(cell_of, weights=np.concatenate([p[column] for p in parts]), minlength=len(cells))
+        out[column] = values.astype(np.int64) if column in ("instances", "last") else values
+    out["max_late_ms"] = np.zeros(len(cells))
+    np.maximum.at(out["max_late_ms"], cell_of, np.concatenate([p["max_late_ms"] for p in parts]))
+    return out
+
+
 def arrival_order(data: DetectionInput, *, z_rank: float = 3.0, min_lateness_ms: float = 0.2,
                   min_cost_share: float = MIN_COST_SHARE) -> ArrivalStage:
     """Per rank: how often it arrived last against chance (1 / group size per instance), in
     standard errors that take the iteration as the unit: the variance is the larger of the
     binomial one and the between-iteration (cluster) one, because the collectives of one iteration
     are not independent draws (DDP's buckets follow the backward pass in order; one rank's slow
-    backward makes it last at all of them). Flagged when `z_rank` clear, its median lateness past
-    `min_lateness_ms`, and its peers' wait for it a median `min_cost_share` of the iteration."""
+    backward makes it last at all of them). Flagged when `z_rank` clear (raised with the number of
+    ranks judged, see multiplicity.job_threshold), its median lateness past `min_lateness_ms`, and
+    its peers' wait for it a median `min_cost_share` of the iteration. Instances already resolved
+    on the ranks' nodes (`data.arrivals`, from per-node summaries) count as the rows do."""
     t = data.collectives
-    if not len(t["instance"]):
+    resolved = data.arrivals
+    if not len(t["instance"]) and resolved is None:
         return ArrivalStage(findings={}, instances=0,
                             notes=["no complete synchronous collective with two or more members: arrival order "
                                    "cannot be compared"])
-    # Only collectives among ranks of one pipeline stage: in a group that spans stages (the
-    # embedding group of the first and last stage, a model-parallel group) who arrives last is set
-    # by the schedule (the first stage ends its backward last in 1F1B), not by anybody's speed.
-    # In every healthy PP=4 run of the default-settings benchmark, rank 0 was last at 20 of 20
-    # embedding all-reduces.
-    stages = {role.stage: i for i, role in enumerate(data.roles.values())}
-    stage = np.array([stages[data.roles[int(r)].stage] if int(r) in data.roles else -1 for r in t["rank"]],
-                     dtype=np.int64)
-    instance_ids, inverse = np.unique(t["instance"], return_inverse=True)
-    low = np.full(len(instance_ids), np.iinfo(np.int64).max)
-    high = np.full(len(instance_ids), np.iinfo(np.int64).min)
-    np.minimum.at(low, inverse, stage)
-    np.maximum.at(high, inverse, stage)
-    one_stage = (low == high)[inverse]
-    if not one_stage.any():
+    one_stage = one_stage_rows(data, t)
+    stats, late, instances = resolve_arrivals(t, one_stage)
+    if resolved is not None:
+        stats = merge_stats([stats, resolved["stats"]])
+        late = {c: np.concatenate([late[c], resolved["late"][c]]) for c in LATE_COLUMNS}
+        instances += int(resolved["instances"])
+    if not instances:
         return ArrivalStage(findings={}, instances=0,
                             notes=["no collective among ranks of one pipeline stage: arrival order is set by the "
                                    "schedule, not compared"])
-    order = np.flatnonzero(one_stage)[np.lexsort((t["arrive"][one_stage], t["instance"][one_stage]))]
-    instance, rank, arrive = t["instance"][order], t["rank"][order], t["arrive"][order]
-    kind, size = t["kind"][order], t["group_size"][order]
-    iteration = t["iteration"][order] if "iteration" in t else np.zeros(len(order), dtype=np.int64)
-    last_row = np.flatnonzero(np.append(instance[1:] != instance[:-1], True))  # latest arrival of each instance
-    second = last_row - 1  # sorted by arrival within an instance, sizes >= 2
-    lateness = (arrive[last_row] - arrive[second]) / 1e6
-    members = np.diff(np.concatenate([[0], last_row + 1]))  # rows of each instance
-    last_rank = np.repeat(rank[last_row], members)  # per row: the rank that arrived last in its instance
-    row_lateness = np.repeat(lateness, members)
     duration = _iteration_duration_ms(data)
     findings: dict[int, ArrivalFinding] = {}
-    probability = 1.0 / size
+    z_rank = job_threshold(z_rank, len(data.world))
+    # Each rank's rows as one slice (sorted by rank), not a mask over all rows per rank: at
+    # thousands of ranks the masks cost ranks x rows.
+    by_rank = np.argsort(stats["rank"], kind="stable")
+    ranks_sorted = stats["rank"][by_rank]
+    late_order = np.argsort(late["rank"], kind="stable")
+    late_ranks = late["rank"][late_order]
     for r in data.world:
-        mine = rank == r
-        if not mine.any():
+        lo, hi = np.searchsorted(ranks_sorted, [r, r + 1])
+        if lo == hi:
             continue
-        was_last = mine & (last_rank == r)
-        expected = float(probability[mine].sum())
-        binomial = float((probability[mine] * (1 - probability[mine])).sum())
-        last = int(was_last.sum())
-        its, cluster = np.unique(iteration[mine], return_inverse=True)
-        excess = np.bincount(cluster, weights=was_last[mine] - probability[mine], minlength=len(its))
+        rows = by_rank[lo:hi]
+        its = stats["iteration"][rows]
+        expected = float(stats["sum_p"][rows].sum())
+        binomial = float(stats["sum_pq"][rows].sum())
+        last = int(stats["last"][rows].sum())
+        excess = stats["last"][rows] - stats["sum_p"][rows]
         # The spread of the per-iteration excess around its mean, scaled to the total: a rank late
         # at every bucket of a few iterations varies a lot between iterations, one late in all of
         # them does not. One iteration (or none recorded) has no such spread to measure.
         between = (float(np.sum((excess - excess.mean()) ** 2)) * len(its) / (len(its) - 1)
                    if len(its) >= 2 else 0.0)
         z = (last - expected) / np.sqrt(max(binomial, between, 1e-9))
-        late = row_lateness[was_last]
+        a, b = np.searchsorted(late_ranks, [r, r + 1])
+        mine = late_order[a:b]
+        lateness = late["lateness_ms"][mine]
         # What the job lost to it in an iteration: its largest lateness there (a rank a constant
         # 1 ms behind is 1 ms late at each of ten buckets, and costs the iteration 1 ms, not 10).
-        waited = np.zeros(len(its))
-        np.maximum.at(waited, cluster, np.where(was_last[mine], row_lateness[mine], 0.0))
+        waited = stats["max_late_ms"][rows]
         shares = [w / duration[i] for i, w in zip(its.tolist(), waited) if duration.get(i, 0.0) > 0]
         cost = float(np.median(shares)) if shares else float("nan")
-        groups = Counter(data.group_kinds[k] for k in kind[was_last] if k >= 0)
-        median = float(np.median(late)) if len(late) else 0.0
-        findings[r] = ArrivalFinding(rank=r, instances=int(mine.sum()), last=last, expected_last=expected,
-                                     z=float(z), waited_on_ms=float(late.sum()), median_lateness_ms=median,
-                                     groups=dict(groups.most_common()), iterations=len(its), cost_share=cost,
+        groups = Counter(data.group_kinds[k] for k in late["kind"][mine] if k >= 0)
+        median = float(np.median(lateness)) if len(lateness) else 0.0
+        findings[r] = ArrivalFinding(rank=r, instances=int(stats["instances"][rows].sum()), last=last,
+                                     expected_last=expected, z=float(z), waited_on_ms=float(lateness.sum()),
+                                     median_lateness_ms=median, groups=dict(groups.most_common()),
+                                     iterations=len(its), cost_share=cost,
                                      flagged=bool(z > z_rank and median > min_lateness_ms
                                                   and not cost < min_cost_share))
-    return ArrivalStage(findings=findings, instances=len(last_row))
+    return ArrivalStage(findings=findings, instances=instances)
 
 
 def _iteration_duration_ms(data: DetectionInput) -> dict[int, float]:

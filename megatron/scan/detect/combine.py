@@ -11,22 +11,10 @@ from megatron.scan.detect.collective import ArrivalStage, arrival_order
 from megatron.scan.detect.compute import ComputeStage, peer_comparison
 from megatron.scan.detect.host import HostStage, host_starvation
 from megatron.scan.detect.model import DetectionInput
+from megatron.scan.detect.nodes import name_slow_nodes
 from megatron.scan.detect.p2p import PipelineStage, pipeline_analysis
 from megatron.scan.detect.power import Power, compute_power, leading_candidate
-
-
-@dataclass(kw_only=True)
-class Suspect:
-    kind: str  # "rank" | "link"
-    ranks: list[int]
-    confidence: float
-    slowdown: float
-    evidence: list[str]  # the first line is what named it
-    details: dict[str, Any] = field(default_factory=dict)
-    what_if: dict[str, float] | None = None
-    # The analyzers whose own test named it ("compute", "host", "arrival", "pipeline"): a suspect
-    # two independent analyzers agree on is better founded than one only a single test found.
-    named_by: list[str] = field(default_factory=list)
+from megatron.scan.detect.suspect import Suspect, one_entry_per_suspect
 
 
 @dataclass(kw_only=True)
@@ -195,7 +183,10 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
                                           f"({link.bandwidth_gbps:.3f} GB/s effective), {link.z:.1f} standard errors"],
                                 named_by=["pipeline"],
                                 details={"link": json_friendly(link)}))
-    suspects = _one_entry_per_suspect(suspects)
+    suspects = one_entry_per_suspect(suspects)
+    # A slow node first: its ranks are TP peers and pipeline neighbours of each other, and the
+    # victim rules below would otherwise keep only some of them, as if each were alone.
+    suspects = name_slow_nodes(data, suspects)
     suspects = _drop_tensor_parallel_victims(data, stage2, suspects, notes)
     suspects = _drop_pipeline_victims(data, stage2, stage3, stage4, suspects, notes)
     suspects = _drop_ranks_the_pipeline_does_not_wait_for(data, stage1, stage3, suspects, notes)
@@ -360,25 +351,6 @@ def _drop_ranks_the_pipeline_does_not_wait_for(data: DetectionInput, stage1: Com
 
 def _share(value: float) -> str:
     return "an unknown share" if value != value else f"{100 * value:.0f}%"
-
-
-def _one_entry_per_suspect(suspects: list[Suspect]) -> list[Suspect]:
-    """A rank or link two analyzers reached by different routes is one suspect: the first entry
-    keeps its place, takes the other's evidence it lacks, the union of who named it and the
-    higher confidence."""
-    merged: dict[tuple[str, tuple[int, ...]], Suspect] = {}
-    for suspect in suspects:
-        key = (suspect.kind, tuple(suspect.ranks))
-        first = merged.get(key)
-        if first is None:
-            merged[key] = suspect
-            continue
-        first.evidence.extend(e for e in suspect.evidence if e not in first.evidence)
-        first.named_by.extend(n for n in suspect.named_by if n not in first.named_by)
-        first.confidence = max(first.confidence, suspect.confidence)
-        for name, value in suspect.details.items():
-            first.details.setdefault(name, value)
-    return list(merged.values())
 
 
 def _busy_total_ratio(finding) -> float:

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron.scan.detect.model import DetectionInput
-from megatron.scan.detect.typical import stage_typical, typical_ratios
+from megatron.scan.detect.model import DetectionInput, unique_rows
+from megatron.scan.detect.multiplicity import JOB_FALSE_ALARM, chance_of_late_run, compute_floor, job_threshold
+from megatron.scan.detect.typical import group_median, stage_typical, typical_ratios
 from megatron.scan.speed import log_ratio_to_peers
 
 _MAD = 1.4826  # MAD -> standard deviation for normal noise
@@ -74,15 +75,14 @@ def _noise(log_busy: np.ndarray, keys: np.ndarray) -> float:
     slowdown of a rank shifts its median, not this spread, so the slow rank cannot inflate it."""
     if len(log_busy) < 3:
         return 0.1
-    _, inverse = np.unique(keys, axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    medians = np.array([np.median(log_busy[inverse == g]) for g in range(inverse.max() + 1)])
-    residual = log_busy - medians[inverse]
+    _, inverse = unique_rows(keys)
+    groups, medians = group_median(log_busy, inverse)  # every group has rows: groups == arange
+    residual = log_busy - medians[np.searchsorted(groups, inverse)]
     return max(_MAD * float(np.median(np.abs(residual))), 0.01)
 
 
 def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: float = Z_RANK,
-                    min_slowdown: float = 1.2, min_consistency: float = 0.7) -> ComputeStage:
+                    min_slowdown: float | None = None, min_consistency: float = 0.7) -> ComputeStage:
     """Ranks of one stage compared per iteration: each rank's total busy time in an iteration
     against the median of its peers' totals in the same iteration. Totals, not per-task medians,
     because real slowness is often bursty (a throttled or time-shared device stalls some tasks for
@@ -91,7 +91,10 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
     least `min_slowdown`, and above zero in `min_consistency` of its iterations (one burst of host
     contention is not a slow rank). Per-task ratios past `z_instance` noise widths are counted and
     the slowest listed as evidence. The floor keeps steady few-percent differences of healthy
-    hardware, which many iterations make 'significant', from becoming alarms."""
+    hardware, which many iterations make 'significant', from becoming alarms; by default it
+    follows the measured noise (multiplicity.compute_floor), and `z_rank` rises with the number
+    of ranks compared (multiplicity.job_threshold), so that a healthy job of any size names
+    nobody by chance."""
     t = data.compute
     findings: dict[int, ComputeFinding] = {}
     cannot: list[int] = []
@@ -103,7 +106,10 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
     noise = _noise(log_busy, np.stack([t["rank"], t["kind"], t["chunk"]], axis=1))
     pair_noise = noise * np.sqrt(2.0)
     stages = sorted({role.stage for role in data.roles.values()})
-    stage_of = np.array([stages.index(data.roles[int(r)].stage) for r in t["rank"]], dtype=np.int64)
+    stage_of_rank = np.zeros(max(max(data.roles, default=0), int(t["rank"].max())) + 1, dtype=np.int64)
+    for rank, role in data.roles.items():
+        stage_of_rank[rank] = stages.index(role.stage)
+    stage_of = stage_of_rank[t["rank"].astype(np.int64)]
     compared: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, list[int], np.ndarray]] = {}
     typical: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # rank -> (iterations, typical log ratio)
     for stage in np.unique(stage_of):
@@ -112,8 +118,7 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
         if len(ranks) < 2:
             continue
         key = np.stack([t["iteration"], t["kind"], t["chunk"], t["microbatch"]], axis=1)[in_stage]
-        keys, inverse = np.unique(key, axis=0, return_inverse=True)
-        inverse = inverse.reshape(-1)
+        keys, inverse = unique_rows(key)
         col = np.searchsorted(ranks, t["rank"][in_stage])
         matrix = np.full((len(keys), len(ranks)), np.nan)  # [task instance, rank] log busy
         matrix[inverse, col] = log_busy[in_stage]
@@ -132,16 +137,27 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
         typical.update(stage_typical(data, ranks, in_stage))
     iteration_noise = series_noise([r for r, *_ in compared.values()], default=0.1)
     typical_noise = series_noise([r for _, r in typical.values()], default=0.1)
+    z_rank = job_threshold(z_rank, len(data.world))
+    if min_slowdown is None:
+        min_slowdown = compute_floor(iteration_noise)
+    # Every compared rank's series less its own median: what a run of slow iterations is judged by.
+    onset_pool = (np.concatenate([r - np.median(r) for r, *_ in compared.values() if len(r)])
+                  if compared else np.zeros(0))
+    onset_tests = sum(max(len(r) - 4, 1) for r, *_ in compared.values())
     host_of = {int(rank): data.roles[int(rank)].host if int(rank) in data.roles else ""
                for rank in np.unique(t["rank"])}
+    on_host: dict[str, list[int]] = {}
+    for rank in compared:
+        on_host.setdefault(host_of[rank], []).append(rank)
     for rank, (per_iteration, iterations, instance_ratio, peers, keys, own) in compared.items():
         if not len(per_iteration):
             continue
-        neighbours = [(c[1], c[5]) for other, c in compared.items() if other != rank and host_of[other] == host_of[rank]]
+        neighbours = [(compared[other][1], compared[other][5]) for other in on_host[host_of[rank]] if other != rank]
         findings[rank] = _finding(rank, peers, per_iteration, iteration_noise, instance_ratio, keys, pair_noise,
                                   z_instance, z_rank, min_slowdown, min_consistency,
                                   iterations_of=iterations, own=own, neighbours=neighbours,
-                                  typical=typical.get(rank), typical_noise=typical_noise)
+                                  typical=typical.get(rank), typical_noise=typical_noise,
+                                  onset_pool=onset_pool, onset_tests=onset_tests)
     # Ranks with no same-stage peer (PP-only layouts): with per-layer spans, every transformer
     # layer of any stage runs the same kernels, so ranks of one TP index compare layer by layer.
     lonely = [r for r in data.world if r not in findings]
@@ -223,12 +239,15 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
              own: np.ndarray | None = None,
              neighbours: list[tuple[np.ndarray, np.ndarray]] = (),
              typical: tuple[np.ndarray, np.ndarray] | None = None,
-             typical_noise: float = float("nan")) -> ComputeFinding:
+             typical_noise: float = float("nan"), onset_pool: np.ndarray | None = None,
+             onset_tests: int = 1) -> ComputeFinding:
     """`per_iteration`: the rank's log ratio to its peers per iteration; `own`: its own log busy
     per iteration (same order), which an onset must show beyond what the other ranks of its host
     show at the same iteration (`neighbours`: their (iterations, own log busy); see
     own_share_of_onset). `typical`: (iterations, log ratio of its typical call; typical_ratios),
-    judged by the same tests with its own noise when the totals name nothing."""
+    judged by the same tests with its own noise when the totals name nothing. An onset must also
+    be unlikely as a run of chance iterations among all ranks' (`onset_pool`, `onset_tests`:
+    multiplicity.chance_of_late_run)."""
     median = float(np.median(per_iteration))
     z = median / (1.2533 * iteration_noise / np.sqrt(len(per_iteration)))
     consistent = bool(np.mean(per_iteration > 0) >= min_consistency) if len(per_iteration) >= 4 else True
@@ -247,6 +266,10 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
     onset = None
     if not flagged:  # a fault that began mid-run barely moves the whole series' median
         change = significant_onset(per_iteration, iteration_noise, z_rank, min_slowdown)
+        if change is not None and onset_pool is not None and chance_of_late_run(
+                onset_pool, per_iteration[change[2]:] - np.median(per_iteration[:change[2]]),
+                onset_tests) >= JOB_FALSE_ALARM:
+            change = None
         if change is not None and (own is None or own_share_of_onset(
                 own, change, host_shift(neighbours, int(iterations_of[change[2]]))) >= MIN_OWN_SHARE):
             flagged, median, z, onset = True, change[0], change[1], int(iterations_of[change[2]])

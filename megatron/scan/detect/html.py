@@ -69,14 +69,14 @@ def _suspects(detection: Detection) -> str:
     items = []
     data = detection.data
     for s in detection.suspects:
-        title = data.label(s.ranks[0]) if s.kind == "rank" else f"link {s.ranks[0]} &rarr; {s.ranks[1]}"
+        title = html.escape(s.describe(data)).replace(" -&gt; ", " &rarr; ")
         evidence = "".join(f"<li>{html.escape(e)}</li>" for e in s.evidence)
         what_if = ""
         if s.what_if:
             what_if = (f"<li><b>what-if</b>: {s.what_if['measured_ms']:.1f} ms &rarr; {s.what_if['healthy_ms']:.1f} ms "
                        f"per iteration if healthy: it costs the job {s.what_if['cost_percent']:.1f}%</li>")
         factor = f"{s.slowdown:.2f}x" if s.slowdown == s.slowdown else "slowdown not measurable"
-        items.append(f"<li><b>{html.escape(title) if s.kind == 'rank' else title}</b> confidence {s.confidence:.2f}, "
+        items.append(f"<li><b>{title}</b> confidence {s.confidence:.2f}, "
                      f"{factor}<ul>{evidence}{what_if}</ul></li>")
     return f"<ol>{''.join(items)}</ol>"
 

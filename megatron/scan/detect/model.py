@@ -55,6 +55,10 @@ class DetectionInput:
     # per rank with NVML readings (CUDA ranks with nvidia-ml-py): gpu_counters.summarize of its iterations
     gpu: dict[int, dict] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    # Collective instances already resolved where their members' rows were (per-node summaries,
+    # megatron.scan.detect.summary): {"stats": collective.STAT_COLUMNS table, "late":
+    # collective.LATE_COLUMNS table, "instances": count}; None when every instance is in `collectives`.
+    arrivals: dict | None = None
 
     @property
     def world(self) -> list[int]:
@@ -227,3 +231,25 @@ def from_aggregation(aggregation: Any) -> DetectionInput:
     return DetectionInput(roles=roles, sizes=sizes, compute=compute, collectives=coll, group_kinds=kinds, p2p=messages,
                           iteration_time=iterations, layers=layers, host=host_table(getattr(trace, "windows", {}) or {}),
                           gpu=gpu_summaries(getattr(trace, "windows", {}) or {}), warnings=list(trace.warnings))
+
+
+def unique_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(matrix, axis=0, return_inverse=True) for integer columns, with the inverse flat:
+    the columns packed into one int64 key (first column most significant, so the order is the
+    same) where their ranges allow, which sorts one number per row instead of rows of a
+    structured view (the analyzers group millions of rows at thousands of ranks)."""
+    matrix = np.asarray(matrix)
+    if matrix.ndim != 2 or not len(matrix) or matrix.dtype.kind not in "iub":
+        keys, inverse = np.unique(matrix, axis=0, return_inverse=True)
+        return keys, inverse.reshape(-1)
+    matrix = matrix.astype(np.int64)
+    low = matrix.min(axis=0)
+    span = matrix.max(axis=0) - low + 1
+    if float(np.prod(span.astype(np.float64))) >= 2.0 ** 62:
+        keys, inverse = np.unique(matrix, axis=0, return_inverse=True)
+        return keys, inverse.reshape(-1)
+    packed = np.zeros(len(matrix), dtype=np.int64)
+    for j in range(matrix.shape[1]):
+        packed = packed * span[j] + (matrix[:, j] - low[j])
+    values, first, inverse = np.unique(packed, return_index=True, return_inverse=True)
+    return matrix[first], inverse.reshape(-1)

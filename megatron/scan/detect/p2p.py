@@ -7,9 +7,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron.scan.detect.model import DetectionInput
+from megatron.scan.detect.model import DetectionInput, unique_rows
+from megatron.scan.detect.multiplicity import job_threshold
 
 _MAD = 1.4826
+# Links from which a message is compared with the pooled median of every comparable message.
+MANY_LINKS = 32
 
 
 @dataclass(kw_only=True)
@@ -42,8 +45,7 @@ def pipeline_analysis(data: DetectionInput, *, z_link: float = 4.0, min_excess_m
     delivery = np.maximum(t["recv_end"] - ready, 0) / 1e6  # ms
     producer_wait = np.maximum(t["send_start"] - t["recv_start"], 0) / 1e6
     links: dict[tuple[int, int], LinkFinding] = {}
-    pairs, pair_id = np.unique(np.stack([t["src"], t["dst"]], axis=1), axis=0, return_inverse=True)
-    pair_id = pair_id.reshape(-1)
+    pairs, pair_id = unique_rows(np.stack([t["src"], t["dst"]], axis=1))
     log_delivery = np.log(delivery + 0.05)  # 50 µs floor: sub-resolution deliveries are all "instant"
     # A message is compared with messages of its own direction (activations forward, gradients
     # backward) on the other links: a receiver that posted its receive long before the data came
@@ -56,11 +58,40 @@ def pipeline_analysis(data: DetectionInput, *, z_link: float = 4.0, min_excess_m
     size_class = np.round(np.log2(np.maximum(t["bytes"].astype(np.float64), 1.0))).astype(np.int64)
     residual = np.zeros(len(delivery))
     baseline_of = np.zeros(len(delivery))
+    z_link = job_threshold(z_link, len(pairs))
+    by_pair = np.argsort(pair_id, kind="stable")
+    bounds = np.searchsorted(pair_id[by_pair], np.arange(len(pairs) + 1))
+    rows_of = [by_pair[bounds[i]:bounds[i + 1]] for i in range(len(pairs))]
+    # Among many links, one link's own messages barely move the median of all comparable ones:
+    # with MANY_LINKS or more, each message is compared with the median of every comparable
+    # message (its own link's included), computed once, rather than of the others' (one median
+    # per link and size, which costs links x messages: 20 s at 1,024 ranks).
+    many = len(pairs) >= MANY_LINKS
+    pooled: dict[tuple[bool, int, bool], tuple[float, float] | None] = {}
+
+    def pool(k: bool, size: int, any_kind: bool) -> tuple[float, float] | None:
+        key = (k, size, any_kind)
+        if key not in pooled:
+            comparable = np.abs(size_class - size) <= 1
+            chosen = comparable if any_kind else comparable & (kind == k)
+            pooled[key] = ((float(np.median(log_delivery[chosen])), float(np.median(delivery[chosen])))
+                           if chosen.any() else None)
+        return pooled[key]
+
     for index in range(len(pairs)):
-        mine = pair_id == index
+        rows = rows_of[index]
         for k in (False, True):
-            for size in np.unique(size_class[mine & (kind == k)]):
-                these = mine & (kind == k) & (size_class == size)
+            directed = rows[kind[rows] == k]
+            for size in np.unique(size_class[directed]):
+                these = directed[size_class[directed] == size]
+                if many:
+                    found = pool(bool(k), int(size), False) or pool(bool(k), int(size), True)
+                    if found is None:
+                        continue
+                    residual[these] = log_delivery[these] - found[0]
+                    baseline_of[these] = found[1]
+                    continue
+                mine = pair_id == index
                 comparable = ~mine & (np.abs(size_class - size) <= 1)
                 others = comparable & (kind == k)
                 if not others.any():
@@ -69,21 +100,29 @@ def pipeline_analysis(data: DetectionInput, *, z_link: float = 4.0, min_excess_m
                     continue
                 residual[these] = log_delivery[these] - np.median(log_delivery[others])
                 baseline_of[these] = np.median(delivery[others])
+    if many:
+        spread_all = max(_MAD * float(np.median(np.abs(residual - np.median(residual)))), 0.05)
     for index, (src, dst) in enumerate(pairs):
-        mine = pair_id == index
-        others = ~mine
-        if not others.any():
+        rows = rows_of[index]
+        n_others = len(delivery) - len(rows)
+        if not n_others:
             continue
-        baseline = float(np.median(baseline_of[mine]))
-        spread = max(_MAD * float(np.median(np.abs(residual[others] - np.median(residual[others])))), 0.05)
-        shift = float(np.median(residual[mine]))
-        z = shift / (1.2533 * spread * np.sqrt(1 / mine.sum() + 1 / others.sum()))
-        median = float(np.median(delivery[mine]))
-        gbps = float(np.median(t["bytes"][mine] / np.maximum(delivery[mine], 1e-6) / 1e6))
+        baseline = float(np.median(baseline_of[rows]))
+        if many:
+            spread = spread_all
+        else:
+            others = pair_id != index
+            spread = max(_MAD * float(np.median(np.abs(residual[others] - np.median(residual[others])))), 0.05)
+        shift = float(np.median(residual[rows]))
+        z = shift / (1.2533 * spread * np.sqrt(1 / len(rows) + 1 / n_others))
+        median = float(np.median(delivery[rows]))
+        gbps = float(np.median(t["bytes"][rows] / np.maximum(delivery[rows], 1e-6) / 1e6))
         flagged = bool(z > z_link and median - baseline > min_excess_ms and median > min_ratio * max(baseline, 0.05))
-        links[(int(src), int(dst))] = LinkFinding(src=int(src), dst=int(dst), messages=int(mine.sum()),
+        links[(int(src), int(dst))] = LinkFinding(src=int(src), dst=int(dst), messages=len(rows),
                                                   delivery_ms=median, baseline_ms=baseline, bandwidth_gbps=gbps,
                                                   z=float(z), flagged=flagged)
-    producer = {int(r): float(producer_wait[t["src"] == r].sum()) for r in np.unique(t["src"])}
-    receiver = {int(r): float(producer_wait[t["dst"] == r].sum()) for r in np.unique(t["dst"])}
+    senders, send_of = np.unique(t["src"], return_inverse=True)
+    receivers, receive_of = np.unique(t["dst"], return_inverse=True)
+    producer = dict(zip(senders.tolist(), np.bincount(send_of.reshape(-1), weights=producer_wait).tolist()))
+    receiver = dict(zip(receivers.tolist(), np.bincount(receive_of.reshape(-1), weights=producer_wait).tolist()))
     return PipelineStage(links=links, producer_wait_ms=producer, receive_wait_ms=receiver)

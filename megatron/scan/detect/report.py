@@ -45,11 +45,12 @@ def as_dict(detection: Detection) -> dict[str, Any]:
 
 
 def suspect_ranks(detection: Detection) -> list[int]:
-    """Ranks named as slow (link suspects are in abnormal.json only: a link is not a GPU)."""
+    """Ranks named as slow, a slow node's ranks included (link suspects are in abnormal.json
+    only: a link is not a GPU)."""
     seen: list[int] = []
     for s in detection.suspects:
-        if s.kind == "rank" and s.ranks[0] not in seen:
-            seen.append(s.ranks[0])
+        if s.kind in ("rank", "node"):
+            seen.extend(r for r in s.ranks if r not in seen)
     return seen
 
 
@@ -63,7 +64,7 @@ def text_report(detection: Detection) -> str:
                      if detection.verdict == "healthy" else "no suspect could be named")
     lines.extend(f"{line}" for line in verdict_lines(detection))
     for i, s in enumerate(detection.suspects, 1):
-        what = data.label(s.ranks[0]) if s.kind == "rank" else f"link {s.ranks[0]} -> {s.ranks[1]}"
+        what = s.describe(data)
         factor = f"{s.slowdown:.2f}x" if s.slowdown == s.slowdown else "slowdown not measurable"
         lines.append(f"{i}. {what}: confidence {s.confidence:.2f}, {factor}")
         lines.extend(f"     - {e}" for e in s.evidence)

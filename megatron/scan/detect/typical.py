@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron.scan.detect.model import DetectionInput
+from megatron.scan.detect.model import DetectionInput, unique_rows
 from megatron.scan.speed import log_ratio_to_peers
 
 
-def _group_median(values: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def group_median(values: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(group ids, median of `values` in each), nan values left out."""
     keep = ~np.isnan(values)
     values, groups = values[keep], groups[keep]
@@ -35,10 +35,9 @@ def typical_ratios(rank: np.ndarray, iteration: np.ndarray, call: np.ndarray, bu
     sel = np.isin(rank, ranks)
     if not sel.any():
         return {}
-    keys, key_of = np.unique(np.column_stack([iteration[sel], call[sel]]), axis=0, return_inverse=True)
-    key_of = key_of.reshape(-1)
+    keys, key_of = unique_rows(np.column_stack([iteration[sel], call[sel]]))
     col = np.searchsorted(ranks, rank[sel])
-    cell, medians = _group_median(np.log(np.maximum(busy[sel], 1).astype(np.float64)), key_of * len(ranks) + col)
+    cell, medians = group_median(np.log(np.maximum(busy[sel], 1).astype(np.float64)), key_of * len(ranks) + col)
     matrix = np.full((len(keys), len(ranks)), np.nan)  # [iteration and call, rank] median log busy
     matrix[cell // len(ranks), cell % len(ranks)] = medians
     ratios = log_ratio_to_peers(matrix)  # nan: nothing to compare
@@ -47,7 +46,7 @@ def typical_ratios(rank: np.ndarray, iteration: np.ndarray, call: np.ndarray, bu
         valid = ~np.isnan(ratios[:, j])
         if not valid.any():
             continue
-        iterations, series = _group_median(ratios[valid, j], keys[valid, 0])
+        iterations, series = group_median(ratios[valid, j], keys[valid, 0])
         out[int(r)] = (iterations, series)
     return out
 
@@ -68,4 +67,4 @@ def _call_ids(*columns: np.ndarray) -> np.ndarray:
     """One integer per distinct combination of the columns."""
     if not len(columns[0]):
         return np.zeros(0, dtype=np.int64)
-    return np.unique(np.column_stack(columns), axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
+    return unique_rows(np.column_stack(columns))[1].astype(np.int64)

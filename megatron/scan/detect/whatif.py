@@ -9,7 +9,8 @@ import numpy as np
 
 from megatron.app.schedule import PipelineLayout, Task
 from megatron.app.simulator import simulate_schedule
-from megatron.scan.detect.combine import Detection, Suspect
+from megatron.scan.detect.combine import Detection
+from megatron.scan.detect.suspect import Suspect
 
 
 @dataclass
@@ -86,13 +87,13 @@ def estimate(detection: Detection, suspect: Suspect, busy: dict[tuple[int, int],
     baseline = _makespan(detection, busy, link_delays)
     healthy_busy = dict(busy)
     healthy_delays = dict(link_delays)
-    if suspect.kind == "rank":
-        rank = suspect.ranks[0]
-        finding = detection.compute.findings.get(rank)
-        factor = finding.slowdown if finding is not None and finding.slowdown > 1 else 1.0
-        for kind in (0, 1):
-            if (rank, kind) in busy:
-                healthy_busy[(rank, kind)] = busy[(rank, kind)] / factor
+    if suspect.kind in ("rank", "node"):
+        for rank in suspect.ranks:
+            finding = detection.compute.findings.get(rank)
+            factor = finding.slowdown if finding is not None and finding.slowdown > 1 else 1.0
+            for kind in (0, 1):
+                if (rank, kind) in busy:
+                    healthy_busy[(rank, kind)] = busy[(rank, kind)] / factor
     else:
         link = detection.pipeline.links[(suspect.ranks[0], suspect.ranks[1])]
         healthy_delays[(link.src, link.dst)] = link.baseline_ms

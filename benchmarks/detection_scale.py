@@ -1,0 +1,256 @@
+"""Detection accuracy against job size: synthetic TP x PP x DP jobs (megatron.scan.synthetic_job,
+calibrated on real traces) of 64 to 16,384 ranks, healthy and faulty, each with its truth, judged
+three ways: offline (every rank's tables, as `scripts/aggregate.py -b DIR -d` has them), per node
+(each node's summary, combined on rank 0: megatron.scan.detect.summary) and online (an analysis
+of everything traced so far at the end of each --online-window iterations, a suspect reported
+once confirmed, as online detection does; its time is one analysis, the last and largest).
+
+    python benchmarks/detection_scale.py                       # 64 .. 4,096 ranks, 100 jobs each
+    python benchmarks/detection_scale.py --sizes 16384 --jobs 20
+    python benchmarks/detection_scale.py --sizes 256,1024 --check-summaries   # per node == offline
+
+Per size it prints: healthy jobs naming anyone, the share of faulty jobs whose fault was named
+(recall) per fault kind, precision of the names in faulty jobs, a slow node named as the node,
+time to a verdict (median / p95 of the analysis; the per-node path counts rank 0's combine and
+analysis, the nodes' summaries running in parallel on the job: their time is the slowest node's),
+summary bytes per node and peak memory of the worker. Goals at 4,096 ranks: no name in >= 99 of
+100 healthy jobs, one rank 1.1x slower named in >= 95%, a slow node named as the node, offline
+verdict <= 60 s, one online analysis <= 10 s."""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import multiprocessing
+import resource
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron.scan.detect import detect  # noqa: E402
+from megatron.scan.detect.host import host_starvation  # noqa: E402
+from megatron.scan.detect.online import MIN_ITERATIONS, RECENT_ITERATIONS, Confirmation  # noqa: E402
+from megatron.scan.detect.summary import combine, node_summary, split_by_node, summary_bytes  # noqa: E402
+from megatron.scan.synthetic_job import Fault, JobSpec, synthesize  # noqa: E402
+
+LAYOUTS = {64: (2, 4, 8), 256: (4, 4, 16), 1024: (8, 8, 16), 4096: (8, 8, 64), 16384: (8, 8, 256)}
+RANKS_PER_NODE = 8
+# The faulty jobs, in turn (a job's number picks one); half the jobs are healthy.
+SCENARIOS = ("slow_rank_1.1", "slow_rank_random", "slow_rank_mid_run", "slow_rank_bursty", "two_three_slow",
+             "slow_node", "slow_link", "hang")
+
+
+def job(size: int, index: int, seed: int, iterations: int) -> tuple[JobSpec, str]:
+    """The index-th job of a size: even indices healthy, odd ones a fault scenario in turn."""
+    tp, pp, dp = LAYOUTS[size]
+    rng = np.random.default_rng([seed, size, index])
+    world = tp * pp * dp
+    base = JobSpec(tp=tp, pp=pp, dp=dp, ranks_per_node=RANKS_PER_NODE, iterations=iterations,
+                   seed=int(rng.integers(2**31)))
+    if index % 2 == 0:
+        return base, "healthy"
+    scenario = SCENARIOS[(index // 2) % len(SCENARIOS)]
+    rank = int(rng.integers(world))
+    if scenario == "slow_rank_1.1":
+        faults = (Fault("slow_rank", ranks=(rank,), factor=1.1),)
+    elif scenario == "slow_rank_random":
+        faults = (Fault("slow_rank", ranks=(rank,), factor=float(rng.uniform(1.05, 2.0))),)
+    elif scenario == "slow_rank_mid_run":
+        faults = (Fault("slow_rank", ranks=(rank,), factor=1.3, start_iteration=iterations // 2),)
+    elif scenario == "slow_rank_bursty":
+        faults = (Fault("slow_rank", ranks=(rank,), factor=1.5, bursty=0.5),)
+    elif scenario == "two_three_slow":
+        ranks = tuple(int(r) for r in rng.choice(world, size=int(rng.integers(2, 4)), replace=False))
+        faults = (Fault("slow_rank", ranks=ranks, factor=float(rng.uniform(1.2, 1.5))),)
+    elif scenario == "slow_node":
+        faults = (Fault("slow_node", node=int(rng.integers(world // RANKS_PER_NODE)), factor=1.2),)
+    elif scenario == "slow_link":
+        # a pipeline link: a rank of a stage that sends to the next one
+        src_pp = int(rng.integers(pp - 1))
+        d, t = int(rng.integers(dp)), int(rng.integers(tp))
+        faults = (Fault("slow_link", ranks=(base.rank(d, src_pp, t), base.rank(d, src_pp + 1, t)), factor=30.0),)
+    else:
+        faults = (Fault("hang", ranks=(rank,), start_iteration=iterations - 3),)
+    return replace(base, faults=faults), scenario
+
+
+def judge(detection, truth, scenario: str) -> dict:
+    """What the names were worth against the truth."""
+    names, right = [], 0
+    for s in detection.suspects:
+        if s.kind == "rank":
+            ok = s.ranks[0] in truth.slow_ranks or s.ranks[0] == truth.hung_rank
+        elif s.kind == "node":
+            ok = any(r // RANKS_PER_NODE in truth.slow_nodes for r in s.ranks) or bool(set(s.ranks) & truth.slow_ranks)
+        else:
+            ok = tuple(s.ranks) in truth.slow_links
+        names.append([s.kind, s.ranks[:2] if s.kind != "node" else [s.ranks[0] // RANKS_PER_NODE], ok])
+        right += ok
+    if scenario == "healthy":
+        found = None
+    elif scenario == "slow_node":
+        found = any(s.kind == "node" and any(r // RANKS_PER_NODE in truth.slow_nodes for r in s.ranks)
+                    for s in detection.suspects)
+    elif scenario == "slow_link":
+        found = any(s.kind == "link" and tuple(s.ranks) in truth.slow_links for s in detection.suspects)
+    elif scenario == "hang":
+        found = any(truth.hung_rank in s.ranks for s in detection.suspects)
+    else:
+        named = {s.ranks[0] for s in detection.suspects if s.kind == "rank"}
+        named |= {r for s in detection.suspects if s.kind == "node" for r in s.ranks}
+        found = truth.slow_ranks <= named
+    return {"names": names, "wrong": len(names) - right, "found": found, "verdict": detection.verdict}
+
+
+def until(data, end: int):
+    """The rows of the iterations before `end` (what online detection has seen by then)."""
+    def keep(table):
+        return {c: v[table["iteration"] < end] for c, v in table.items()}
+    return replace(data, compute=keep(data.compute), collectives=keep(data.collectives), p2p=keep(data.p2p),
+                   iteration_time=keep(data.iteration_time), layers=keep(data.layers), host=keep(data.host))
+
+
+def run_job(arguments: tuple) -> dict:
+    size, index, seed, iterations, online_window, check = arguments
+    spec, scenario = job(size, index, seed, iterations)
+    started = time.perf_counter()
+    data, truth = synthesize(spec)
+    synthesized = time.perf_counter() - started
+    result = {"size": size, "index": index, "scenario": scenario, "synthesize_s": synthesized}
+    started = time.perf_counter()
+    offline = detect(data)
+    result["offline_s"] = time.perf_counter() - started
+    result["offline"] = judge(offline, truth, scenario)
+    # Per node: every node's summary (timed: the slowest is the job's), then rank 0's combine + detect.
+    slowest, summaries, sizes = 0.0, [], []
+    for part in split_by_node(data, RANKS_PER_NODE):
+        started = time.perf_counter()
+        summaries.append(node_summary(part))
+        slowest = max(slowest, time.perf_counter() - started)
+        sizes.append(summary_bytes(summaries[-1]))
+    started = time.perf_counter()
+    combined = combine(summaries)
+    per_node = detect(combined)
+    result["per_node_s"] = time.perf_counter() - started + slowest
+    result["node_summary_s"] = slowest
+    result["summary_bytes"] = int(np.median(sizes))
+    result["per_node"] = judge(per_node, truth, scenario)
+    if check:
+        result["same_names"] = ([(s.kind, s.ranks) for s in offline.suspects]
+                                == [(s.kind, s.ranks) for s in per_node.suspects])
+    # Online: an analysis of everything traced so far at the end of each window, from
+    # MIN_ITERATIONS on, with its confirmation across analyses (as OnlineDetector runs them).
+    confirm, reported, slowest = Confirmation(), {}, 0.0
+    for end in range(online_window, iterations + 1, online_window):
+        if end < MIN_ITERATIONS:
+            continue
+        started = time.perf_counter()
+        analysis = detect(until(data, end), host=functools.partial(host_starvation, recent=RECENT_ITERATIONS))
+        slowest = max(slowest, time.perf_counter() - started)
+        alerts = [{"kind": s.kind, "ranks": s.ranks, "named_by": s.named_by, "suspect": s} for s in analysis.suspects]
+        for alert in confirm(alerts)[0]:
+            reported.setdefault((alert["kind"], tuple(alert["ranks"])), alert["suspect"])
+    result["online_s"] = slowest
+    result["online"] = judge(SimpleNamespace(suspects=list(reported.values()), verdict=""), truth, scenario)
+    result["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return result
+
+
+def table(results: list[dict], sizes: list[int]) -> str:
+    lines = ["| ranks | jobs | path | healthy jobs naming anyone | 1.1x rank named | any fault named | slow node as node "
+             "| precision in faulty jobs | verdict s (median / p95) | summary KB per node | peak MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for size in sizes:
+        mine = [r for r in results if r["size"] == size]
+        if not mine:
+            continue
+        for path in ("offline", "per_node", "online"):
+            healthy = [r for r in mine if r["scenario"] == "healthy"]
+            faulty = [r for r in mine if r["scenario"] != "healthy"]
+            slow11 = [r for r in faulty if r["scenario"] == "slow_rank_1.1"]
+            nodes = [r for r in faulty if r["scenario"] == "slow_node"]
+            named = sum(1 for r in healthy if r[path]["names"])
+            names = sum(len(r[path]["names"]) for r in faulty)
+            wrong = sum(r[path]["wrong"] for r in faulty)
+            seconds = sorted(r[f"{path}_s"] for r in mine)
+            p95 = seconds[min(len(seconds) - 1, int(0.95 * len(seconds)))]
+            lines.append(
+                f"| {size} | {len(mine)} | {path} | {named}/{len(healthy)} | "
+                f"{sum(r[path]['found'] for r in slow11)}/{len(slow11)} | "
+                f"{sum(r[path]['found'] for r in faulty)}/{len(faulty)} | "
+                f"{sum(r[path]['found'] for r in nodes)}/{len(nodes)} | "
+                f"{(names - wrong) / names:.3f} ({names - wrong}/{names}) | " if names else
+                f"| {size} | {len(mine)} | {path} | {named}/{len(healthy)} | "
+                f"{sum(r[path]['found'] for r in slow11)}/{len(slow11)} | "
+                f"{sum(r[path]['found'] for r in faulty)}/{len(faulty)} | "
+                f"{sum(r[path]['found'] for r in nodes)}/{len(nodes)} | - | ")
+            lines[-1] += (f"{statistics.median(seconds):.2f} / {p95:.2f} | "
+                          f"{statistics.median(r['summary_bytes'] for r in mine) / 1024:.0f} | "
+                          f"{max(r['rss_mb'] for r in mine):.0f} |")
+    return "\n".join(lines)
+
+
+def per_scenario(results: list[dict], sizes: list[int]) -> str:
+    lines = ["| ranks | scenario | offline named | per node named | online named |", "|---|---|---|---|---|"]
+    for size in sizes:
+        for scenario in SCENARIOS:
+            mine = [r for r in results if r["size"] == size and r["scenario"] == scenario]
+            if mine:
+                lines.append(f"| {size} | {scenario} | " + " | ".join(
+                    f"{sum(r[p]['found'] for r in mine)}/{len(mine)}" for p in ("offline", "per_node", "online")) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="64,256,1024,4096",
+                        help="job sizes in ranks, comma-separated, of 64, 256, 1024, 4096, 16384 (default %(default)s)")
+    parser.add_argument("--jobs", type=int, default=100, help="synthetic jobs per size, half healthy (default %(default)s)")
+    parser.add_argument("--iterations", type=int, default=20, help="traced iterations per job (default %(default)s)")
+    parser.add_argument("--online-window", type=int, default=5,
+                        help="iterations per trace window: online detection analyzes everything traced so far at "
+                             "the end of each (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the job set (default %(default)s)")
+    parser.add_argument("--workers", type=int, default=2, help="processes running jobs (default %(default)s)")
+    parser.add_argument("--check-summaries", action="store_true",
+                        help="also report whether the per-node path named exactly what the offline one did")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write every job's result here")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    unknown = [s for s in sizes if s not in LAYOUTS]
+    if unknown:
+        parser.error(f"--sizes: no layout for {unknown}; choose from {sorted(LAYOUTS)}")
+    results: list[dict] = []
+    started = time.perf_counter()
+    for size in sizes:
+        work = [(size, i, args.seed, args.iterations, args.online_window, args.check_summaries)
+                for i in range(args.jobs)]
+        # A fresh pool per size, so that a worker's peak memory is that size's.
+        with multiprocessing.get_context("spawn").Pool(args.workers, maxtasksperchild=None) as pool:
+            for done, result in enumerate(pool.imap_unordered(run_job, work), 1):
+                results.append(result)
+                if done % max(1, args.jobs // 10) == 0 or done == args.jobs:
+                    print(f"[detection_scale] {size} ranks: {done}/{args.jobs} jobs "
+                          f"({time.perf_counter() - started:.0f} s)", flush=True)
+    print(table(results, sizes))
+    print()
+    print(per_scenario(results, sizes))
+    if args.check_summaries:
+        for size in sizes:
+            mine = [r for r in results if r["size"] == size]
+            print(f"per-node summaries named exactly what the offline analysis named: "
+                  f"{sum(r['same_names'] for r in mine)}/{len(mine)} jobs at {size} ranks")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

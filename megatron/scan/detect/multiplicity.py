@@ -1,0 +1,56 @@
+"""Tests of many ranks at once: the bar one rank's test must clear so that false alarms are
+controlled per job, not per rank, and the compute floor that noise allows.
+
+Each analyzer compares every rank (or link) with its peers; a test that wrongly names a healthy
+rank once in 1,000 names four of them in every healthy 4,096-rank job. The bar of a job of n
+comparisons is the one-sided normal quantile of JOB_FALSE_ALARM / n (Bonferroni), never below
+the analyzer's own bar, which was tuned on jobs of 4-16 ranks and is what small jobs keep."""
+from __future__ import annotations
+
+from statistics import NormalDist
+
+import numpy as np
+
+# Share of healthy jobs, at any size, in which an analyzer may name somebody by chance alone
+# (under its noise model: robust spreads of per-iteration ratios, normal tails).
+JOB_FALSE_ALARM = 0.01
+
+
+def job_threshold(base: float, tests: int, *, false_alarm: float = JOB_FALSE_ALARM) -> float:
+    """The z a single comparison must clear in a job of `tests` comparisons (at least `base`)."""
+    if tests <= 1:
+        return base
+    return max(base, NormalDist().inv_cdf(1.0 - false_alarm / tests))
+
+
+# The compute floor: a rank is named only if it is at least this much slower than its peers.
+# Healthy hardware differs by a few per cent, which many iterations make "significant"; on a
+# noisy host (CPU ranks sharing cores: 6-60% per iteration, where healthy ranks also stood
+# 1.1-1.15x apart for whole runs) the floor stays FLOOR_MAX, as tuned there, and where an
+# iteration is measured to within a few per cent (GPU ranks: 1-4%) it is FLOOR_MIN, so that a
+# device 1.1x slower than its peers is named; linear in between (QUIET_NOISE to NOISY).
+FLOOR_MAX = 1.2
+FLOOR_MIN = 1.08
+QUIET_NOISE = 0.04
+NOISY = 0.06
+
+
+def compute_floor(iteration_noise: float, *, ceiling: float = FLOOR_MAX) -> float:
+    """The smallest slowdown worth naming, given the per-iteration noise (log ratio spread)."""
+    if iteration_noise != iteration_noise:  # nan: nothing measured
+        return ceiling
+    share = min(1.0, max(0.0, (iteration_noise - QUIET_NOISE) / (NOISY - QUIET_NOISE)))
+    return min(ceiling, FLOOR_MIN + share * (FLOOR_MAX - FLOOR_MIN))
+
+
+def chance_of_late_run(pool: np.ndarray, later: np.ndarray, tests: int) -> float:
+    """How likely, in a job of `tests` (rank, split) comparisons, some rank's series ends in a run
+    as high as `later` by chance: the share q of all ranks' values (each less its own median:
+    `pool`) at least as high as the run's lowest value, to the power of the run's length, times
+    the tests. Nonparametric: heavy-tailed iterations (a GPU's rare slow step, a host's stall)
+    make q larger and a short run at the end of the window no longer an onset, where a normal
+    model of the noise would call two outlying iterations a fault that began."""
+    if not len(pool) or not len(later):
+        return 1.0
+    q = max(float(np.mean(pool >= float(np.min(later)))), 1.0 / len(pool))
+    return tests * q ** len(later)
