@@ -16,7 +16,7 @@ from megatron.scan.trace_format import FLAG_ASYNC, FLAG_BACKWARD
 
 THREADS = {1: "compute", 2: "p2p", 3: "collectives", 4: "async collectives"}
 _P2P = {"send", "recv"}
-_CATEGORY = {"iteration": "step", "data": "data", "forward": "compute", "backward": "compute",
+CATEGORY = {"iteration": "step", "data": "data", "forward": "compute", "backward": "compute",
              "layer_forward": "layer", "layer_backward": "layer", "grad_sync": "step", "optimizer": "step",
              "send": "p2p", "recv": "p2p", "collective_wait": "collective"}
 
@@ -166,7 +166,7 @@ def _complete_events(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks
                 args["async"] = True
         if columns["dtype"][i] >= 0:
             args["dtype"] = dtype_names[columns["dtype"][i]]
-        category = _CATEGORY.get(name, "collective" if group >= 0 else "other")
+        category = CATEGORY.get(name, "collective" if group >= 0 else "other")
         emit({"name": name, "cat": category, "ph": "X", "pid": columns["rank"][i], "tid": int(tid[i]),
               "ts": float(ts[i]), "dur": float(dur[i]), "args": args})
     return len(order)

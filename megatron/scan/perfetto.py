@@ -30,15 +30,12 @@ from typing import Any, Iterable
 import numpy as np
 
 from megatron.app.progress import SILENT, Reporter
-from megatron.scan.chrome import THREADS, thread_of
+from megatron.scan.chrome import CATEGORY, THREADS, thread_of
 from megatron.scan.load import GlobalTrace
 from megatron.scan.match import Collectives, P2PLinks
 from megatron.scan.trace_format import FLAG_ASYNC, FLAG_BACKWARD
 
 EXTENSIONS = (".pftrace", ".perfetto-trace")
-CATEGORY = {"iteration": "step", "data": "data", "forward": "compute", "backward": "compute",
-            "layer_forward": "layer", "layer_backward": "layer", "grad_sync": "step", "optimizer": "step",
-            "send": "p2p", "recv": "p2p", "collective_wait": "collective"}
 TYPE_SLICE_BEGIN, TYPE_SLICE_END, TYPE_INSTANT, TYPE_COUNTER = 1, 2, 3, 4
 SEQ_INCREMENTAL_STATE_CLEARED, SEQ_NEEDS_INCREMENTAL_STATE = 1, 2
 SEQUENCE_ID = 1

@@ -1,0 +1,178 @@
+"""Detection as jobs grow: false alarms controlled per job, a slow node named as the node, and
+per-node summaries that name what the full analysis names (in one process and over
+torch.distributed). benchmarks/detection_scale.py measures the same at 64-16,384 ranks."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron.scan.detect import detect
+from megatron.scan.detect.model import unique_rows
+from megatron.scan.detect.multiplicity import JOB_FALSE_ALARM, chance_of_late_run, compute_floor, job_threshold
+from megatron.scan.detect.report import suspect_ranks, text_report
+from megatron.scan.detect.summary import combine, merge, node_summary, restrict, split_by_node
+from megatron.scan.speed import peer_median
+from megatron.scan.synthetic_job import Fault, JobSpec, synthesize
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def names(detection) -> list[tuple[str, list[int]]]:
+    return [(s.kind, s.ranks) for s in detection.suspects]
+
+
+def test_the_bar_rises_with_the_ranks_compared_and_small_jobs_keep_theirs():
+    assert job_threshold(3.5, 4) == 3.5  # tuned on 4-16 ranks: unchanged there
+    assert job_threshold(3.5, 16) == 3.5
+    bars = [job_threshold(3.5, n) for n in (256, 1024, 4096, 16384)]
+    assert bars == sorted(bars) and bars[0] > 3.5 and 4.5 < bars[2] < 4.8
+
+
+def test_the_compute_floor_is_lower_only_where_an_iteration_is_measured_precisely():
+    assert compute_floor(0.02) == pytest.approx(1.08)  # GPU-like: a 1.1x device can be named
+    assert compute_floor(0.2) == pytest.approx(1.2)  # a shared CPU host: as tuned there
+    assert compute_floor(float("nan")) == pytest.approx(1.2)
+    assert compute_floor(0.03) < compute_floor(0.05) < compute_floor(0.07)
+
+
+def test_a_run_of_slow_iterations_is_judged_against_how_often_any_rank_has_one():
+    rng = np.random.default_rng(0)
+    pool = rng.normal(0, 0.03, 64 * 20)
+    pool[rng.random(len(pool)) < 0.07] += 0.2  # heavy tail: 7% of iterations 1.2x
+    # Two tail iterations at the end: common among 64 ranks x 16 splits.
+    assert chance_of_late_run(pool, np.array([0.2, 0.25]), 64 * 16) > JOB_FALSE_ALARM
+    # Ten such iterations in a row: a fault that began.
+    assert chance_of_late_run(pool, np.full(10, 0.2), 64 * 16) < JOB_FALSE_ALARM
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_healthy_jobs_with_heavy_tailed_iterations_name_nobody(seed):
+    """The default calibration has the recorded H100 run's occasional slow iterations (7% of them
+    1.15x or more): a rank whose last two iterations were such used to read as an onset."""
+    data, truth = synthesize(JobSpec(tp=2, pp=4, dp=8, seed=seed))
+    assert truth.healthy
+    assert names(detect(data)) == []
+
+
+def test_a_rank_1_1x_slower_is_named_on_quiet_ranks():
+    data, truth = synthesize(JobSpec(tp=2, pp=4, dp=8, seed=4, faults=(Fault("slow_rank", ranks=(21,), factor=1.1),)))
+    detection = detect(data)
+    assert names(detection)[:1] == [("rank", [21])]
+
+
+def test_a_slow_node_is_named_as_the_node_and_reported_with_its_ranks():
+    data, truth = synthesize(JobSpec(tp=2, pp=4, dp=8, seed=3, faults=(Fault("slow_node", node=2, factor=1.2),)))
+    detection = detect(data)
+    assert names(detection) == [("node", list(range(16, 24)))]
+    node = detection.suspects[0]
+    assert node.details["host"] == "node2" and node.evidence[0].startswith("8 of the 8 ranks of host node2")
+    assert node.describe(data) == "node node2 (8 ranks: 16-23)"
+    assert suspect_ranks(detection) == list(range(16, 24))
+    assert "1. node node2 (8 ranks: 16-23)" in text_report(detection)
+
+
+def test_two_slow_ranks_on_one_node_stay_ranks():
+    data, _ = synthesize(JobSpec(tp=2, pp=4, dp=8, seed=5, faults=(Fault("slow_rank", ranks=(17, 20), factor=1.4),)))
+    assert sorted(names(detect(data))) == [("rank", [17]), ("rank", [20])]
+
+
+@pytest.mark.parametrize("faults", [(), (Fault("slow_rank", ranks=(37,), factor=1.3),),
+                                    (Fault("slow_node", node=1, factor=1.25),),
+                                    (Fault("slow_link", ranks=(33, 65), factor=30.0),)])
+def test_per_node_summaries_name_what_the_full_analysis_names(faults):
+    data, _ = synthesize(JobSpec(tp=2, pp=4, dp=16, seed=7, faults=faults))
+    full = detect(data)
+    parts = split_by_node(data, 8)
+    summaries = [node_summary(part) for part in parts]
+    combined = combine(summaries)
+    # Rank 0 gets the cross-node collective rows only: the TP instances were resolved on the nodes.
+    assert len(combined.collectives["instance"]) < len(data.collectives["instance"]) / 2
+    per_node = detect(combined)
+    assert names(per_node) == names(full)
+    assert per_node.arrival.instances == full.arrival.instances
+    for rank, finding in full.arrival.findings.items():
+        other = per_node.arrival.findings[rank]
+        assert (other.last, other.instances) == (finding.last, finding.instances)
+        assert other.z == pytest.approx(finding.z) and other.cost_share == pytest.approx(finding.cost_share)
+    # restrict/merge (what each rank would send) give the same parts as the one-sort split.
+    again = merge([restrict(data, range(8 * i, 8 * i + 8)) for i in range(len(parts))])
+    for name in ("compute", "collectives", "p2p", "iteration_time"):
+        for column, values in getattr(data, name).items():
+            assert np.array_equal(np.sort(getattr(again, name)[column]), np.sort(values)), (name, column)
+
+
+def test_leave_one_out_medians_equal_the_median_of_the_others():
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        values = np.round(rng.normal(size=(int(rng.integers(1, 5)), int(rng.integers(1, 8)))), 1)
+        values[rng.random(values.shape) < 0.3] = np.nan
+        got = peer_median(values)
+        for i, row in enumerate(values):
+            for j in range(len(row)):
+                others = np.delete(row, j)
+                others = others[~np.isnan(others)]
+                want = np.median(others) if len(others) else np.nan
+                assert (np.isnan(want) and np.isnan(got[i, j])) or got[i, j] == want
+
+
+def test_packed_row_keys_group_as_numpy_unique_does():
+    rng = np.random.default_rng(3)
+    for _ in range(100):
+        matrix = rng.integers(-5, 40, size=(int(rng.integers(1, 200)), int(rng.integers(1, 5))))
+        keys, inverse = np.unique(matrix, axis=0, return_inverse=True)
+        got_keys, got_inverse = unique_rows(matrix)
+        assert np.array_equal(keys, got_keys) and np.array_equal(inverse.reshape(-1), got_inverse)
+
+
+WORKER = textwrap.dedent("""
+    import json, os, sys
+    import torch.distributed as dist
+    from megatron.scan.detect import detect
+    from megatron.scan.detect.summary import node_groups, restrict, summarize_on_job
+    from megatron.scan.synthetic_job import Fault, JobSpec, synthesize
+
+    rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    spec = JobSpec(tp=2, pp=2, dp=2, ranks_per_node=4, seed=11,
+                   faults=(Fault("slow_rank", ranks=(5,), factor=1.5),))
+    data, _ = synthesize(spec)  # every rank makes the same job and keeps what it would have traced
+    combined = summarize_on_job(restrict(data, [rank]), 4, groups=node_groups(4))
+    if rank == 0:
+        full = detect(data)
+        mine = detect(combined)
+        out = {"full": [(s.kind, s.ranks) for s in full.suspects],
+               "summaries": [(s.kind, s.ranks) for s in mine.suspects]}
+        with open(sys.argv[4], "w") as f:
+            json.dump(out, f)
+    else:
+        assert combined is None
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def test_summaries_gathered_over_torch_distributed_name_the_slow_rank(tmp_path):
+    """Eight gloo ranks as two nodes of four: each node's first rank gathers and summarizes its
+    ranks' tables, rank 0 gathers the summaries and combines them."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    store, out = tmp_path / "store", tmp_path / "names.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), "8", str(store), str(out)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(8)]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    result = json.loads(out.read_text())
+    assert result["summaries"] == result["full"]
+    assert result["full"][0] == ["rank", [5]]
