@@ -144,6 +144,14 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
     onset_pool = (np.concatenate([r - np.median(r) for r, *_ in compared.values() if len(r)])
                   if compared else np.zeros(0))
     onset_tests = sum(max(len(r) - 4, 1) for r, *_ in compared.values())
+    best_onsets: dict[int, tuple[float, float, int] | None] = {}
+    by_length: dict[int, list[int]] = {}
+    for rank, (series, *_) in compared.items():
+        by_length.setdefault(len(series), []).append(rank)
+    for length, ranks_of_length in by_length.items():
+        if length:
+            best_onsets.update(zip(ranks_of_length, onset_shifts(
+                np.stack([compared[r][0] for r in ranks_of_length]), iteration_noise)))
     host_of = {int(rank): data.roles[int(rank)].host if int(rank) in data.roles else ""
                for rank in np.unique(t["rank"])}
     on_host: dict[str, list[int]] = {}
@@ -157,7 +165,8 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
                                   z_instance, z_rank, min_slowdown, min_consistency,
                                   iterations_of=iterations, own=own, neighbours=neighbours,
                                   typical=typical.get(rank), typical_noise=typical_noise,
-                                  onset_pool=onset_pool, onset_tests=onset_tests)
+                                  onset_pool=onset_pool, onset_tests=onset_tests,
+                                  best_onset=best_onsets.get(rank, False))
     # Ranks with no same-stage peer (PP-only layouts): with per-layer spans, every transformer
     # layer of any stage runs the same kernels, so ranks of one TP index compare layer by layer.
     lonely = [r for r in data.world if r not in findings]
@@ -240,7 +249,7 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
              neighbours: list[tuple[np.ndarray, np.ndarray]] = (),
              typical: tuple[np.ndarray, np.ndarray] | None = None,
              typical_noise: float = float("nan"), onset_pool: np.ndarray | None = None,
-             onset_tests: int = 1) -> ComputeFinding:
+             onset_tests: int = 1, best_onset: tuple[float, float, int] | None | bool = False) -> ComputeFinding:
     """`per_iteration`: the rank's log ratio to its peers per iteration; `own`: its own log busy
     per iteration (same order), which an onset must show beyond what the other ranks of its host
     show at the same iteration (`neighbours`: their (iterations, own log busy); see
@@ -265,7 +274,7 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
             flagged, measure = True, "typical"
     onset = None
     if not flagged:  # a fault that began mid-run barely moves the whole series' median
-        change = significant_onset(per_iteration, iteration_noise, z_rank, min_slowdown)
+        change = significant_onset(per_iteration, iteration_noise, z_rank, min_slowdown, best=best_onset)
         if change is not None and onset_pool is not None and chance_of_late_run(
                 onset_pool, per_iteration[change[2]:] - np.median(per_iteration[:change[2]]),
                 onset_tests) >= JOB_FALSE_ALARM:
@@ -304,11 +313,16 @@ ONSET_PENALTY = 1.0
 
 
 def significant_onset(series: np.ndarray, noise: float, z_rank: float, min_ratio: float, *,
-                      min_level: float | None = None) -> tuple[float, float, int] | None:
+                      min_level: float | None = None,
+                      best: tuple[float, float, int] | None | bool = False) -> tuple[float, float, int] | None:
     """onset_shift's best split when it clears z_rank + ONSET_PENALTY and min_ratio, else None.
     With `min_level` (a ratio), the later part must also stand that far above the peers, not
-    merely above the rank's own earlier standing (see host_starvation)."""
-    change = onset_shift(series, noise, min_level=-np.inf if min_level is None else float(np.log(min_level)))
+    merely above the rank's own earlier standing (see host_starvation). `best`: onset_shift's
+    answer, already computed (onset_shifts), when not False."""
+    if best is not False and min_level is None:
+        change = best
+    else:
+        change = onset_shift(series, noise, min_level=-np.inf if min_level is None else float(np.log(min_level)))
     if change is not None and change[1] > z_rank + ONSET_PENALTY and np.exp(change[0]) >= min_ratio:
         return change
     return None
@@ -337,6 +351,26 @@ def host_shift(neighbours: list[tuple[np.ndarray, np.ndarray]], iteration: int) 
     shifts = [float(np.median(own[its >= iteration]) - np.median(own[its < iteration]))
               for its, own in neighbours if (its >= iteration).any() and (its < iteration).any()]
     return float(np.median(shifts)) if shifts else 0.0
+
+
+def onset_shifts(matrix: np.ndarray, noise: float, *, min_before: int = 3,
+                 min_after: int = 2) -> list[tuple[float, float, int] | None]:
+    """onset_shift of every row of `matrix` (series of one length), at once: the medians of each
+    split's two parts for all rows together (one Python loop over splits, not over ranks x splits:
+    thousands of ranks made that most of the compute analyzer's time)."""
+    rows, length = matrix.shape
+    best_z = np.full(rows, -np.inf)
+    best = np.full((rows, 3), np.nan)
+    for split in range(min_before, length - min_after + 1):
+        baseline = np.median(matrix[:, :split], axis=1)
+        later = matrix[:, split:]
+        valid = np.all(later > baseline[:, None], axis=1)
+        shift = np.median(later, axis=1) - baseline
+        z = shift / (1.2533 * noise * np.sqrt(1 / (length - split) + 1 / split))
+        better = valid & (z > best_z)
+        best_z[better] = z[better]
+        best[better] = np.column_stack([shift, z, np.full(rows, split)])[better]
+    return [None if np.isnan(b[0]) else (float(b[0]), float(b[1]), int(b[2])) for b in best]
 
 
 def onset_shift(series: np.ndarray, noise: float, *, min_before: int = 3, min_after: int = 2,

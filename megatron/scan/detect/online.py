@@ -30,7 +30,7 @@ MIN_ITERATIONS = 6
 # reported online (host_starvation's `recent`): a burst of host load that is over is history.
 RECENT_ITERATIONS = 3
 # The compute analyzer's default factor over a rank's peers (peer_comparison's min_slowdown):
-# None follows the measured noise, as offline (multiplicity.compute_floor: 1.08 on quiet ranks,
+# None follows the measured noise, as offline (multiplicity.compute_floor: 1.05 on quiet ranks,
 # 1.2 on a noisy host).
 MIN_SLOWDOWN = None
 
@@ -332,8 +332,8 @@ class OnlineDetectPlugin(Plugin):
                             f"alerts from bursts of host load). Default {CONFIRM_ANALYSES}")
         g.add_argument("--online-detect-min-slowdown", type=float, default=MIN_SLOWDOWN, metavar="X",
                        help="with --online-detect: a rank's compute must be at least X times its peers' to be named "
-                            "by the compute analyzer. Default: from the measured noise, 1.08 where an iteration is "
-                            "measured to within 4%% (GPU ranks) up to 1.2 on a noisy host. Both thresholds can be "
+                            "by the compute analyzer. Default: from the measured noise, 1.05 where an iteration is "
+                            "measured to within 5%% (GPU ranks) up to 1.2 on a noisy host (6%% or more). Both thresholds can be "
                             "changed on a "
                             "running job: python -m megatron.scan capture --job DIR --online-detect-confirm N "
                             "--online-detect-min-slowdown X")

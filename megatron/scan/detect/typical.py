@@ -3,6 +3,8 @@ under a power cap or heat) moves it fully, host preemption (a few calls many tim
 hardly at all. compute.peer_comparison judges it beside the busy totals, which catch bursts."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from megatron.scan.detect.model import DetectionInput, unique_rows
@@ -41,13 +43,18 @@ def typical_ratios(rank: np.ndarray, iteration: np.ndarray, call: np.ndarray, bu
     matrix = np.full((len(keys), len(ranks)), np.nan)  # [iteration and call, rank] median log busy
     matrix[cell // len(ranks), cell % len(ranks)] = medians
     ratios = log_ratio_to_peers(matrix)  # nan: nothing to compare
+    # Per iteration, every rank's median over its calls at once ([iteration, rank]; nan: none).
+    iterations = np.unique(keys[:, 0])
+    per_iteration = np.full((len(iterations), len(ranks)), np.nan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-nan columns: no call compared
+        for i, iteration in enumerate(iterations):
+            per_iteration[i] = np.nanmedian(ratios[keys[:, 0] == iteration], axis=0)
     out = {}
     for j, r in enumerate(ranks):
-        valid = ~np.isnan(ratios[:, j])
-        if not valid.any():
-            continue
-        iterations, series = group_median(ratios[valid, j], keys[valid, 0])
-        out[int(r)] = (iterations, series)
+        valid = ~np.isnan(per_iteration[:, j])
+        if valid.any():
+            out[int(r)] = (iterations[valid], per_iteration[valid, j])
     return out
 
 
