@@ -176,3 +176,15 @@ def test_summaries_gathered_over_torch_distributed_name_the_slow_rank(tmp_path):
     result = json.loads(out.read_text())
     assert result["summaries"] == result["full"]
     assert result["full"][0] == ["rank", [5]]
+
+
+def test_persistent_differences_of_healthy_devices_are_measured_among_many_ranks():
+    """Healthy devices 2% apart (persistent) with quiet iterations: against the iterations' noise
+    alone the slowest of 256 stands many standard errors clear; against the spread of the ranks'
+    medians it is one of them. A rank 1.25x slower still stands clear of both."""
+    quiet = {"rank_speed_sigma": 0.02, "iter_rank_sigma": 0.005, "iter_node_sigma": 0.005, "iter_tail_prob": 0.0}
+    data, _ = synthesize(JobSpec(tp=4, pp=4, dp=16, seed=2, calibration=quiet))
+    assert names(detect(data)) == []
+    data, _ = synthesize(JobSpec(tp=4, pp=4, dp=16, seed=2, calibration=quiet,
+                                 faults=(Fault("slow_rank", ranks=(77,), factor=1.25),)))
+    assert names(detect(data)) == [("rank", [77])]
