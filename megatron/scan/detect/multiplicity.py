@@ -31,7 +31,7 @@ def job_threshold(base: float, tests: int, *, false_alarm: float = JOB_FALSE_ALA
 # two such 4-5%) it is FLOOR_MIN, above the spread of healthy devices (the fitted per-rank speed
 # spread is 1%: the slowest of 16,384 healthy ranks stands about 1.04x) and below what a device
 # 1.1x slower reads against its peers (1.07-1.09x in 5 of 21 synthetic jobs with a 1.08 floor);
-# linear in between.
+# linear in between. peer_comparison uses it only among many ranks (between_rank_spread).
 FLOOR_MAX = 1.2
 FLOOR_MIN = 1.05
 QUIET_NOISE = 0.05
