@@ -72,24 +72,30 @@ def _metadata(trace: GlobalTrace, emit) -> None:
             emit({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
 
 
-def _microbatch_counters(trace: GlobalTrace, base: int, emit) -> int:
-    """A "microbatches" counter track per rank: how many of the global batch's microbatches its
-    replica ran in each traced iteration (it changes where straggler mitigation moved work)."""
+def microbatch_counts(trace: GlobalTrace):
+    """(rank, start ns of the iteration, microbatches) of every traced iteration whose metrics
+    say how many of the global batch's microbatches the rank's replica ran (it changes where
+    straggler mitigation moved work), ranks in order: the "microbatches" counter track."""
     c = trace.columns
     if "iteration" not in trace.names:
-        return 0
+        return
     spans = c["name"] == trace.name_id("iteration")
     starts = {(int(r), int(i)): int(t) for r, i, t in zip(c["rank"][spans], c["iteration"][spans], c["start"][spans])}
-    emitted = 0
-    for rank, windows in trace.windows.items():
+    for rank, windows in sorted(trace.windows.items()):
         for window in windows:
             for record in window.get("metrics") or []:
                 start = starts.get((rank, record.get("iteration")))
-                if start is None or record.get("microbatches") is None:
-                    continue
-                emit({"ph": "C", "name": "microbatches", "pid": rank, "ts": float(_us(start - base)),
-                      "args": {"microbatches": record["microbatches"]}})
-                emitted += 1
+                if start is not None and record.get("microbatches") is not None:
+                    yield rank, start, record["microbatches"]
+
+
+def _microbatch_counters(trace: GlobalTrace, base: int, emit) -> int:
+    """A "microbatches" counter track per rank (microbatch_counts)."""
+    emitted = 0
+    for rank, start, microbatches in microbatch_counts(trace):
+        emit({"ph": "C", "name": "microbatches", "pid": rank, "ts": float(_us(start - base)),
+              "args": {"microbatches": microbatches}})
+        emitted += 1
     return emitted
 
 

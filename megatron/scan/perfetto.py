@@ -30,7 +30,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from megatron.app.progress import SILENT, Reporter
-from megatron.scan.chrome import CATEGORY, THREADS, thread_of
+from megatron.scan.chrome import CATEGORY, THREADS, microbatch_counts, thread_of
 from megatron.scan.load import GlobalTrace
 from megatron.scan.match import Collectives, P2PLinks
 from megatron.scan.trace_format import FLAG_ASYNC, FLAG_BACKWARD
@@ -353,26 +353,15 @@ def _slices(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks, base: i
 
 def _microbatch_counters(trace: GlobalTrace, base: int, interned: Interned, out) -> int:
     """The "microbatches" counter track of each rank, as chrome.py's counter events."""
-    c = trace.columns
-    if "iteration" not in trace.names:
-        return 0
-    spans = c["name"] == trace.name_id("iteration")
-    starts = {(int(r), int(i)): int(t) for r, i, t in zip(c["rank"][spans], c["iteration"][spans], c["start"][spans])}
-    emitted = 0
-    for rank, windows in sorted(trace.windows.items()):
-        uuid, described = lane_uuid(rank, 0, 63), False
-        for window in windows:
-            for record in window.get("metrics") or []:
-                start = starts.get((rank, record.get("iteration")))
-                if start is None or record.get("microbatches") is None:
-                    continue
-                if not described:
-                    out.write(track_descriptor(uuid, "microbatches", parent=process_uuid(rank), counter=True,
-                                               order=0))
-                    described = True
-                event = _COUNTER + uint_field(11, uuid) + uint_field(30, int(record["microbatches"]))
-                out.write(track_event_packet(start - base, event, interned=False))
-                emitted += 1
+    emitted, described = 0, set()
+    for rank, start, microbatches in microbatch_counts(trace):
+        uuid = lane_uuid(rank, 0, 63)
+        if rank not in described:
+            out.write(track_descriptor(uuid, "microbatches", parent=process_uuid(rank), counter=True, order=0))
+            described.add(rank)
+        event = _COUNTER + uint_field(11, uuid) + uint_field(30, int(microbatches))
+        out.write(track_event_packet(start - base, event, interned=False))
+        emitted += 1
     return emitted
 
 

@@ -101,7 +101,7 @@ def test_per_node_summaries_name_what_the_full_analysis_names(faults):
         other = per_node.arrival.findings[rank]
         assert (other.last, other.instances) == (finding.last, finding.instances)
         assert other.z == pytest.approx(finding.z) and other.cost_share == pytest.approx(finding.cost_share)
-    # restrict/merge (what each rank would send) give the same parts as the one-sort split.
+    # restrict then merge (what each node would hold, put back together) gives back every row of the job.
     again = merge([restrict(data, range(8 * i, 8 * i + 8)) for i in range(len(parts))])
     for name in ("compute", "collectives", "p2p", "iteration_time"):
         for column, values in getattr(data, name).items():
