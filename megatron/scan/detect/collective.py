@@ -12,6 +12,7 @@ import numpy as np
 
 from megatron.scan.detect.model import DetectionInput, unique_rows
 from megatron.scan.detect.multiplicity import job_threshold
+from megatron.scan.detect.typical import group_median
 
 # The share of an iteration the other ranks must spend waiting for a rank (median over iterations)
 # before its arriving last can name it: a rank of a loaded host that arrives last by a few ms at
@@ -80,26 +81,34 @@ def resolve_arrivals(t: dict[str, np.ndarray], rows: np.ndarray | None = None
     the second-latest), summed per (rank, iteration): STAT_COLUMNS and LATE_COLUMNS tables and the
     number of instances. `rows`: which rows of `t` (every member of an instance, or none of it)."""
     order = np.flatnonzero(rows) if rows is not None else np.arange(len(t["instance"]))
-    order = order[np.lexsort((t["arrive"][order], t["instance"][order]))]
-    instance, rank, arrive = t["instance"][order], t["rank"][order], t["arrive"][order]
-    kind, size = t["kind"][order], t["group_size"][order]
-    iteration = t["iteration"][order] if "iteration" in t else np.zeros(len(order), dtype=np.int64)
     if not len(order):
         return ({c: np.zeros(0, dtype=np.float64 if c in ("sum_p", "sum_pq", "max_late_ms") else np.int64)
                  for c in STAT_COLUMNS},
                 {c: np.zeros(0, dtype=np.float64 if c == "lateness_ms" else np.int64) for c in LATE_COLUMNS}, 0)
-    last_row = np.flatnonzero(np.append(instance[1:] != instance[:-1], True))  # latest arrival of each instance
-    second = last_row - 1  # sorted by arrival within an instance, sizes >= 2
-    lateness = (arrive[last_row] - arrive[second]) / 1e6
+    # Rows grouped by instance (one sort of integers; no sort by arrival within an instance is
+    # needed: the latest and second-latest arrivals are maxima).
+    order = order[np.argsort(t["instance"][order])]
+    instance, rank, arrive = t["instance"][order], t["rank"][order], t["arrive"][order]
+    kind, size = t["kind"][order], t["group_size"][order]
+    iteration = t["iteration"][order] if "iteration" in t else np.zeros(len(order), dtype=np.int64)
+    starts = np.flatnonzero(np.r_[True, instance[1:] != instance[:-1]])
+    latest = np.maximum.reduceat(arrive, starts)
+    group = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(order)]))
+    # the latest arrival's row (of equal arrivals, the one recorded last, as a stable sort by
+    # arrival has it)
+    tied = arrive == latest[group]
+    chosen = np.maximum.reduceat(np.where(tied, order, -1), starts)
+    last_row = np.flatnonzero(tied & (order == chosen[group]))
+    others = arrive.copy()
+    others[last_row] = np.iinfo(arrive.dtype).min if arrive.dtype.kind in "iu" else -np.inf
+    lateness = (arrive[last_row] - np.maximum.reduceat(others, starts)) / 1e6  # sizes >= 2
     probability = 1.0 / size
     was_last = np.zeros(len(order), dtype=bool)
     was_last[last_row] = True
-    row_lateness = np.zeros(len(order))
-    row_lateness[last_row] = lateness
     cells, cell_of = unique_rows(np.column_stack([rank, iteration]))
     count = len(cells)
     max_late = np.zeros(count)
-    np.maximum.at(max_late, cell_of, row_lateness)
+    np.maximum.at(max_late, cell_of[last_row], lateness)
     stats = {"rank": cells[:, 0].astype(np.int64), "iteration": cells[:, 1].astype(np.int64),
              "instances": np.bincount(cell_of, minlength=count).astype(np.int64),
              "sum_p": np.bincount(cell_of, weights=probability, minlength=count),
@@ -152,46 +161,58 @@ def arrival_order(data: DetectionInput, *, z_rank: float = 3.0, min_lateness_ms:
                             notes=["no collective among ranks of one pipeline stage: arrival order is set by the "
                                    "schedule, not compared"])
     duration = _iteration_duration_ms(data)
-    findings: dict[int, ArrivalFinding] = {}
     z_rank = job_threshold(z_rank, len(data.world))
-    # Each rank's rows as one slice (sorted by rank), not a mask over all rows per rank: at
-    # thousands of ranks the masks cost ranks x rows.
-    by_rank = np.argsort(stats["rank"], kind="stable")
-    ranks_sorted = stats["rank"][by_rank]
-    late_order = np.argsort(late["rank"], kind="stable")
-    late_ranks = late["rank"][late_order]
+    # Every rank's sums at once (bincounts over its rows): at thousands of ranks a loop over ranks
+    # of masks, or even of slices, cost seconds.
+    present, row_of = np.unique(stats["rank"], return_inverse=True)
+    row_of = row_of.reshape(-1)
+    n = len(present)
+    iterations = np.bincount(row_of, minlength=n)
+    expected = np.bincount(row_of, weights=stats["sum_p"], minlength=n)
+    binomial = np.bincount(row_of, weights=stats["sum_pq"], minlength=n)
+    last = np.bincount(row_of, weights=stats["last"], minlength=n).astype(np.int64)
+    count = np.bincount(row_of, weights=stats["instances"], minlength=n).astype(np.int64)
+    # The spread of the per-iteration excess around its mean, scaled to the total: a rank late at
+    # every bucket of a few iterations varies a lot between iterations, one late in all of them
+    # does not. One iteration (or none recorded) has no such spread to measure.
+    excess = stats["last"] - stats["sum_p"]
+    centred = excess - (np.bincount(row_of, weights=excess, minlength=n) / iterations)[row_of]
+    squares = np.bincount(row_of, weights=centred ** 2, minlength=n)
+    between = np.where(iterations >= 2, squares * iterations / np.maximum(iterations - 1, 1), 0.0)
+    z = (last - expected) / np.sqrt(np.maximum(np.maximum(binomial, between), 1e-9))
+    late_of = np.searchsorted(present, late["rank"])
+    waited_on = np.bincount(late_of, weights=late["lateness_ms"], minlength=n)
+    median = np.zeros(n)
+    has_late, medians = group_median(late["lateness_ms"], late_of)
+    median[has_late] = medians
+    # What the job lost to it in an iteration: its largest lateness there (a rank a constant 1 ms
+    # behind is 1 ms late at each of ten buckets, and costs the iteration 1 ms, not 10).
+    known = np.array(sorted(duration), dtype=np.int64)
+    spans = np.array([duration[i] for i in known.tolist()], dtype=np.float64)
+    at = np.clip(np.searchsorted(known, stats["iteration"]), 0, max(len(known) - 1, 0))
+    timed = (known[at] == stats["iteration"]) & (spans[at] > 0) if len(known) else np.zeros(len(at), dtype=bool)
+    share = np.full(len(at), np.nan)
+    share[timed] = stats["max_late_ms"][timed] / spans[at[timed]]
+    cost = np.full(n, np.nan)
+    has_cost, costs = group_median(share, row_of)
+    cost[has_cost] = costs
+    # The group kinds it was last at, most often first.
+    late_order = np.argsort(late_of, kind="stable")
+    bounds = np.searchsorted(late_of[late_order], np.arange(n + 1))
+    kinds = late["kind"][late_order].tolist()
+    findings: dict[int, ArrivalFinding] = {}
     for r in data.world:
-        lo, hi = np.searchsorted(ranks_sorted, [r, r + 1])
-        if lo == hi:
+        j = int(np.searchsorted(present, r))
+        if j == n or present[j] != r:
             continue
-        rows = by_rank[lo:hi]
-        its = stats["iteration"][rows]
-        expected = float(stats["sum_p"][rows].sum())
-        binomial = float(stats["sum_pq"][rows].sum())
-        last = int(stats["last"][rows].sum())
-        excess = stats["last"][rows] - stats["sum_p"][rows]
-        # The spread of the per-iteration excess around its mean, scaled to the total: a rank late
-        # at every bucket of a few iterations varies a lot between iterations, one late in all of
-        # them does not. One iteration (or none recorded) has no such spread to measure.
-        between = (float(np.sum((excess - excess.mean()) ** 2)) * len(its) / (len(its) - 1)
-                   if len(its) >= 2 else 0.0)
-        z = (last - expected) / np.sqrt(max(binomial, between, 1e-9))
-        a, b = np.searchsorted(late_ranks, [r, r + 1])
-        mine = late_order[a:b]
-        lateness = late["lateness_ms"][mine]
-        # What the job lost to it in an iteration: its largest lateness there (a rank a constant
-        # 1 ms behind is 1 ms late at each of ten buckets, and costs the iteration 1 ms, not 10).
-        waited = stats["max_late_ms"][rows]
-        shares = [w / duration[i] for i, w in zip(its.tolist(), waited) if duration.get(i, 0.0) > 0]
-        cost = float(np.median(shares)) if shares else float("nan")
-        groups = Counter(data.group_kinds[k] for k in late["kind"][mine] if k >= 0)
-        median = float(np.median(lateness)) if len(lateness) else 0.0
-        findings[r] = ArrivalFinding(rank=r, instances=int(stats["instances"][rows].sum()), last=last,
-                                     expected_last=expected, z=float(z), waited_on_ms=float(lateness.sum()),
-                                     median_lateness_ms=median, groups=dict(groups.most_common()),
-                                     iterations=len(its), cost_share=cost,
-                                     flagged=bool(z > z_rank and median > min_lateness_ms
-                                                  and not cost < min_cost_share))
+        groups = Counter(data.group_kinds[k] for k in kinds[bounds[j]:bounds[j + 1]] if k >= 0)
+        findings[r] = ArrivalFinding(rank=r, instances=int(count[j]), last=int(last[j]),
+                                     expected_last=float(expected[j]), z=float(z[j]),
+                                     waited_on_ms=float(waited_on[j]), median_lateness_ms=float(median[j]),
+                                     groups=dict(groups.most_common()), iterations=int(iterations[j]),
+                                     cost_share=float(cost[j]),
+                                     flagged=bool(z[j] > z_rank and median[j] > min_lateness_ms
+                                                  and not cost[j] < min_cost_share))
     return ArrivalStage(findings=findings, instances=instances)
 
 

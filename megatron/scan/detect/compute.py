@@ -23,7 +23,7 @@ from megatron.scan.detect.onset import (
     own_share_of_onset,
     significant_onset,
 )
-from megatron.scan.detect.typical import group_median, stage_typical, typical_ratios
+from megatron.scan.detect.typical import group_median, row_medians, stage_typical, typical_ratios
 from megatron.scan.speed import log_ratio_to_peers
 
 _MAD = 1.4826  # MAD -> standard deviation for normal noise
@@ -126,12 +126,13 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
     stage_of = stage_of_rank[t["rank"].astype(np.int64)]
     compared: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, list[int], np.ndarray]] = {}
     typical: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # rank -> (iterations, typical log ratio)
+    task_key = np.stack([t["iteration"], t["kind"], t["chunk"], t["microbatch"]], axis=1)
     for stage in np.unique(stage_of):
         in_stage = stage_of == stage
         ranks = np.unique(t["rank"][in_stage])
         if len(ranks) < 2:
             continue
-        key = np.stack([t["iteration"], t["kind"], t["chunk"], t["microbatch"]], axis=1)[in_stage]
+        key = task_key[in_stage]
         keys, inverse = unique_rows(key)
         col = np.searchsorted(ranks, t["rank"][in_stage])
         matrix = np.full((len(keys), len(ranks)), np.nan)  # [task instance, rank] log busy
@@ -141,8 +142,9 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
         totals = np.array([np.log(np.exp(matrix[shared & (keys[:, 0] == i)]).sum(axis=0)) for i in iterations])
         iteration_ratios = log_ratio_to_peers(totals) if len(iterations) else None  # [iteration, rank]
         instance_ratios = log_ratio_to_peers(matrix)  # [task instance, rank]; nan: nothing to compare
+        listed = [int(r) for r in ranks]
         for j, rank in enumerate(ranks):
-            peers = [int(r) for r in ranks if r != rank]
+            peers = listed[:j] + listed[j + 1:]  # ranks are unique
             per_iteration = iteration_ratios[:, j] if len(iterations) else np.zeros(0)
             valid = ~np.isnan(instance_ratios[:, j])
             instance_ratio = instance_ratios[valid, j]
@@ -159,7 +161,8 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
         # read 1.12x at 4.9% noise while its typical layer call read 1.52x).
         min_slowdown = compute_floor(iteration_noise) if len(compared) >= BETWEEN_MIN_RANKS else FLOOR_MAX
     # Every compared rank's series less its own median: what a run of slow iterations is judged by.
-    onset_pool = (np.concatenate([r - np.median(r) for r, *_ in compared.values() if len(r)])
+    series_median = dict(zip(compared, row_medians([r for r, *_ in compared.values()])))
+    onset_pool = (np.concatenate([r - series_median[rank] for rank, (r, *_) in compared.items() if len(r)])
                   if compared else np.zeros(0))
     onset_tests = sum(max(len(r) - 4, 1) for r, *_ in compared.values())
     between = between_rank_spread([r for r, *_ in compared.values()], [r for _, r in typical.values()])
@@ -185,7 +188,8 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
                                   iterations_of=iterations, own=own, neighbours=neighbours,
                                   typical=typical.get(rank), typical_noise=typical_noise,
                                   onset_pool=onset_pool, onset_tests=onset_tests,
-                                  best_onset=best_onsets.get(rank, False), between=between)
+                                  best_onset=best_onsets.get(rank, False), between=between,
+                                  median=series_median[rank])
     # Ranks with no same-stage peer (PP-only layouts): with per-layer spans, every transformer
     # layer of any stage runs the same kernels, so ranks of one TP index compare layer by layer.
     lonely = [r for r in data.world if r not in findings]
@@ -269,15 +273,15 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
              typical: tuple[np.ndarray, np.ndarray] | None = None,
              typical_noise: float = float("nan"), onset_pool: np.ndarray | None = None,
              onset_tests: int = 1, best_onset: tuple[float, float, int] | None | bool = False,
-             between: tuple[float, float] | None = None) -> ComputeFinding:
+             between: tuple[float, float] | None = None, median: float | None = None) -> ComputeFinding:
     """`per_iteration`: the rank's log ratio to its peers per iteration; `own`: its own log busy
     per iteration (same order), which an onset must show beyond what the other ranks of its host
     show at the same iteration (`neighbours`: their (iterations, own log busy); see
     own_share_of_onset). `typical`: (iterations, log ratio of its typical call; typical_ratios),
     judged by the same tests with its own noise when the totals name nothing. An onset must also
     be unlikely as a run of chance iterations among all ranks' (`onset_pool`, `onset_tests`:
-    multiplicity.chance_of_late_run)."""
-    median = float(np.median(per_iteration))
+    multiplicity.chance_of_late_run). `median`: np.median(per_iteration), when known."""
+    median = float(np.median(per_iteration)) if median is None else float(median)
     z = median / (1.2533 * iteration_noise / np.sqrt(len(per_iteration)))
     consistent = bool(np.mean(per_iteration > 0) >= min_consistency) if len(per_iteration) >= 4 else True
     # Among many ranks, also against how far healthy ranks' medians spread (`between`, see
@@ -335,11 +339,11 @@ def between_rank_spread(series: list[np.ndarray], typical: list[np.ndarray]) -> 
     many iterations make 'significant' against the noise alone: at 1,024 ranks and 20 iterations,
     17 of 50 healthy synthetic jobs had a rank 1.05-1.06x its peers at 4.3-5.6 standard errors.
     The median and MAD over ranks barely move for a few slow ones (Efron's empirical null)."""
-    medians = np.array([np.median(r) for r in series if len(r)])
+    medians = row_medians([r for r in series if len(r)])
     if len(medians) < BETWEEN_MIN_RANKS:
         return None
     spread = max(_MAD * float(np.median(np.abs(medians - np.median(medians)))), 1e-3)
-    typical_medians = np.array([np.median(r) for r in typical if len(r)])
+    typical_medians = row_medians([r for r in typical if len(r)])
     typical_spread = (max(_MAD * float(np.median(np.abs(typical_medians - np.median(typical_medians)))), 1e-3)
                       if len(typical_medians) >= BETWEEN_MIN_RANKS else spread)
     return spread, typical_spread
@@ -350,8 +354,8 @@ def series_noise(series: list[np.ndarray], *, default: float, floor: float = 0.0
     robust spread of successive differences (/ sqrt 2). Differences, so that a step (a fault that
     began mid-run) does not inflate it; the median over ranks, so that neither a slow rank's
     bursts nor its mirror image in a two-rank stage set the scale."""
-    spreads = [_MAD * float(np.median(np.abs(np.diff(r)))) / np.sqrt(2.0) for r in series if len(r) >= 3]
-    return max(float(np.median(spreads)) if spreads else default, floor)
+    spreads = _MAD * row_medians([np.abs(np.diff(r)) for r in series if len(r) >= 3]) / np.sqrt(2.0)
+    return max(float(np.median(spreads)) if len(spreads) else default, floor)
 
 
 def _iteration_totals(iteration: np.ndarray, busy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

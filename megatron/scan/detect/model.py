@@ -251,5 +251,24 @@ def unique_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     packed = np.zeros(len(matrix), dtype=np.int64)
     for j in range(matrix.shape[1]):
         packed = packed * span[j] + (matrix[:, j] - low[j])
-    values, first, inverse = np.unique(packed, return_index=True, return_inverse=True)
-    return matrix[first], inverse.reshape(-1)
+    cells = int(np.prod(span))
+    if cells <= 2 * len(matrix) + 65536:
+        # Few possible keys (ranks x iterations, tasks of a stage): counted in place, no sort.
+        present = np.bincount(packed, minlength=cells) > 0
+        index = np.cumsum(present) - 1
+        flat = np.flatnonzero(present)
+        keys = np.empty((len(flat), matrix.shape[1]), dtype=np.int64)
+        for j in reversed(range(matrix.shape[1])):
+            keys[:, j] = flat % span[j] + low[j]
+            flat = flat // span[j]
+        return keys, index[packed]
+    # np.unique's first index of each row would take a stable sort (twice the time of this one
+    # at millions of rows); every row of a group is the same, so any one stands for it.
+    order = np.argsort(packed)
+    ordered = packed[order]
+    new_row = np.empty(len(ordered), dtype=bool)
+    new_row[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=new_row[1:])
+    inverse = np.empty(len(ordered), dtype=np.int64)
+    inverse[order] = np.cumsum(new_row) - 1
+    return matrix[order[new_row]], inverse

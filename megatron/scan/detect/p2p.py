@@ -9,6 +9,7 @@ import numpy as np
 
 from megatron.scan.detect.model import DetectionInput, unique_rows
 from megatron.scan.detect.multiplicity import job_threshold
+from megatron.scan.detect.typical import group_median
 
 _MAD = 1.4826
 # Links from which a message is compared with the pooled median of every comparable message.
@@ -44,7 +45,6 @@ def pipeline_analysis(data: DetectionInput, *, z_link: float = 4.0, min_excess_m
     ready = np.maximum(t["send_start"], t["recv_start"])
     delivery = np.maximum(t["recv_end"] - ready, 0) / 1e6  # ms
     producer_wait = np.maximum(t["send_start"] - t["recv_start"], 0) / 1e6
-    links: dict[tuple[int, int], LinkFinding] = {}
     pairs, pair_id = unique_rows(np.stack([t["src"], t["dst"]], axis=1))
     log_delivery = np.log(delivery + 0.05)  # 50 µs floor: sub-resolution deliveries are all "instant"
     # A message is compared with messages of its own direction (activations forward, gradients
@@ -56,17 +56,75 @@ def pipeline_analysis(data: DetectionInput, *, z_link: float = 4.0, min_excess_m
     # without being slow, and one with nothing comparable is not judged.
     kind = t["backward"].astype(bool)
     size_class = np.round(np.log2(np.maximum(t["bytes"].astype(np.float64), 1.0))).astype(np.int64)
-    residual = np.zeros(len(delivery))
-    baseline_of = np.zeros(len(delivery))
     z_link = job_threshold(z_link, len(pairs))
-    by_pair = np.argsort(pair_id, kind="stable")
-    bounds = np.searchsorted(pair_id[by_pair], np.arange(len(pairs) + 1))
-    rows_of = [by_pair[bounds[i]:bounds[i + 1]] for i in range(len(pairs))]
     # Among many links, one link's own messages barely move the median of all comparable ones:
     # with MANY_LINKS or more, each message is compared with the median of every comparable
     # message (its own link's included), computed once, rather than of the others' (one median
     # per link and size, which costs links x messages: 20 s at 1,024 ranks).
-    many = len(pairs) >= MANY_LINKS
+    if len(pairs) >= MANY_LINKS:
+        links = _pooled_links(t, pairs, pair_id, delivery, log_delivery, kind, size_class, z_link=z_link,
+                              min_excess_ms=min_excess_ms, min_ratio=min_ratio)
+    else:
+        links = _links_against_others(t, pairs, pair_id, delivery, log_delivery, kind, size_class, z_link=z_link,
+                                      min_excess_ms=min_excess_ms, min_ratio=min_ratio)
+    senders, send_of = np.unique(t["src"], return_inverse=True)
+    receivers, receive_of = np.unique(t["dst"], return_inverse=True)
+    producer = dict(zip(senders.tolist(), np.bincount(send_of.reshape(-1), weights=producer_wait).tolist()))
+    receiver = dict(zip(receivers.tolist(), np.bincount(receive_of.reshape(-1), weights=producer_wait).tolist()))
+    return PipelineStage(links=links, producer_wait_ms=producer, receive_wait_ms=receiver)
+
+
+def _link(src, dst, messages, delivery_ms, baseline_ms, gbps, z, *, z_link, min_excess_ms, min_ratio) -> LinkFinding:
+    return LinkFinding(src=int(src), dst=int(dst), messages=int(messages), delivery_ms=float(delivery_ms),
+                       baseline_ms=float(baseline_ms), bandwidth_gbps=float(gbps), z=float(z),
+                       flagged=bool(z > z_link and delivery_ms - baseline_ms > min_excess_ms
+                                    and delivery_ms > min_ratio * max(baseline_ms, 0.05)))
+
+
+def _links_against_others(t, pairs, pair_id, delivery, log_delivery, kind, size_class, **rule
+                          ) -> dict[tuple[int, int], LinkFinding]:
+    """Each link's messages against the median of comparable messages on the other links."""
+    residual = np.zeros(len(delivery))
+    baseline_of = np.zeros(len(delivery))
+    by_pair = np.argsort(pair_id, kind="stable")
+    bounds = np.searchsorted(pair_id[by_pair], np.arange(len(pairs) + 1))
+    rows_of = [by_pair[bounds[i]:bounds[i + 1]] for i in range(len(pairs))]
+    for index in range(len(pairs)):
+        rows = rows_of[index]
+        for k in (False, True):
+            directed = rows[kind[rows] == k]
+            for size in np.unique(size_class[directed]):
+                these = directed[size_class[directed] == size]
+                comparable = (pair_id != index) & (np.abs(size_class - size) <= 1)
+                others = comparable & (kind == k)
+                if not others.any():
+                    others = comparable  # no other link carries this direction (PP=2, DP=1): the other links
+                if not others.any():
+                    continue
+                residual[these] = log_delivery[these] - np.median(log_delivery[others])
+                baseline_of[these] = np.median(delivery[others])
+    links = {}
+    for index, (src, dst) in enumerate(pairs):
+        rows = rows_of[index]
+        n_others = len(delivery) - len(rows)
+        if not n_others:
+            continue
+        others = pair_id != index
+        spread = max(_MAD * float(np.median(np.abs(residual[others] - np.median(residual[others])))), 0.05)
+        shift = float(np.median(residual[rows]))
+        z = shift / (1.2533 * spread * np.sqrt(1 / len(rows) + 1 / n_others))
+        gbps = np.median(t["bytes"][rows] / np.maximum(delivery[rows], 1e-6) / 1e6)
+        links[(int(src), int(dst))] = _link(src, dst, len(rows), np.median(delivery[rows]),
+                                            np.median(baseline_of[rows]), gbps, z, **rule)
+    return links
+
+
+def _pooled_links(t, pairs, pair_id, delivery, log_delivery, kind, size_class, **rule
+                  ) -> dict[tuple[int, int], LinkFinding]:
+    """Each message against the median of every comparable message of its direction (of either
+    direction where none is), one median per (direction, size class); each link's medians at once."""
+    residual = np.zeros(len(delivery))
+    baseline_of = np.zeros(len(delivery))
     pooled: dict[tuple[bool, int, bool], tuple[float, float] | None] = {}
 
     def pool(k: bool, size: int, any_kind: bool) -> tuple[float, float] | None:
@@ -78,51 +136,20 @@ def pipeline_analysis(data: DetectionInput, *, z_link: float = 4.0, min_excess_m
                            if chosen.any() else None)
         return pooled[key]
 
-    for index in range(len(pairs)):
-        rows = rows_of[index]
-        for k in (False, True):
-            directed = rows[kind[rows] == k]
-            for size in np.unique(size_class[directed]):
-                these = directed[size_class[directed] == size]
-                if many:
-                    found = pool(bool(k), int(size), False) or pool(bool(k), int(size), True)
-                    if found is None:
-                        continue
-                    residual[these] = log_delivery[these] - found[0]
-                    baseline_of[these] = found[1]
-                    continue
-                mine = pair_id == index
-                comparable = ~mine & (np.abs(size_class - size) <= 1)
-                others = comparable & (kind == k)
-                if not others.any():
-                    others = comparable  # no other link carries this direction (PP=2, DP=1): the other links
-                if not others.any():
-                    continue
-                residual[these] = log_delivery[these] - np.median(log_delivery[others])
-                baseline_of[these] = np.median(delivery[others])
-    if many:
-        spread_all = max(_MAD * float(np.median(np.abs(residual - np.median(residual)))), 0.05)
-    for index, (src, dst) in enumerate(pairs):
-        rows = rows_of[index]
-        n_others = len(delivery) - len(rows)
-        if not n_others:
-            continue
-        baseline = float(np.median(baseline_of[rows]))
-        if many:
-            spread = spread_all
-        else:
-            others = pair_id != index
-            spread = max(_MAD * float(np.median(np.abs(residual[others] - np.median(residual[others])))), 0.05)
-        shift = float(np.median(residual[rows]))
-        z = shift / (1.2533 * spread * np.sqrt(1 / len(rows) + 1 / n_others))
-        median = float(np.median(delivery[rows]))
-        gbps = float(np.median(t["bytes"][rows] / np.maximum(delivery[rows], 1e-6) / 1e6))
-        flagged = bool(z > z_link and median - baseline > min_excess_ms and median > min_ratio * max(baseline, 0.05))
-        links[(int(src), int(dst))] = LinkFinding(src=int(src), dst=int(dst), messages=len(rows),
-                                                  delivery_ms=median, baseline_ms=baseline, bandwidth_gbps=gbps,
-                                                  z=float(z), flagged=flagged)
-    senders, send_of = np.unique(t["src"], return_inverse=True)
-    receivers, receive_of = np.unique(t["dst"], return_inverse=True)
-    producer = dict(zip(senders.tolist(), np.bincount(send_of.reshape(-1), weights=producer_wait).tolist()))
-    receiver = dict(zip(receivers.tolist(), np.bincount(receive_of.reshape(-1), weights=producer_wait).tolist()))
-    return PipelineStage(links=links, producer_wait_ms=producer, receive_wait_ms=receiver)
+    classes, class_of = unique_rows(np.column_stack([kind.astype(np.int64), size_class]))
+    for j, (k, size) in enumerate(classes.tolist()):
+        found = pool(bool(k), int(size), False) or pool(bool(k), int(size), True)
+        if found is not None:
+            these = class_of == j
+            residual[these] = log_delivery[these] - found[0]
+            baseline_of[these] = found[1]
+    spread = max(_MAD * float(np.median(np.abs(residual - np.median(residual)))), 0.05)
+    counts = np.bincount(pair_id, minlength=len(pairs))
+    others = len(delivery) - counts
+    shift = group_median(residual, pair_id)[1]
+    median = group_median(delivery, pair_id)[1]
+    baseline = group_median(baseline_of, pair_id)[1]
+    gbps = group_median(t["bytes"] / np.maximum(delivery, 1e-6) / 1e6, pair_id)[1]
+    z = shift / (1.2533 * spread * np.sqrt(1 / counts + 1 / np.maximum(others, 1)))
+    return {(int(src), int(dst)): _link(src, dst, counts[i], median[i], baseline[i], gbps[i], z[i], **rule)
+            for i, (src, dst) in enumerate(pairs.tolist()) if others[i]}

@@ -12,16 +12,41 @@ from megatron.scan.speed import log_ratio_to_peers
 
 
 def group_median(values: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(group ids, median of `values` in each), nan values left out."""
+    """(group ids, median of `values` in each), nan values left out. One sort of the group ids
+    puts each group's values in a row of a padded matrix whose short rows sort at once; only
+    groups so uneven that the padding would outgrow the values take a two-key sort (which cost
+    0.75 s for the 2.6 million tasks of a 4,096-rank job, against 0.2 s)."""
     keep = ~np.isnan(values)
     values, groups = values[keep], groups[keep]
     if not len(values):
         return np.zeros(0, dtype=groups.dtype), np.zeros(0)
-    order = np.lexsort((values, groups))
-    g, v = groups[order], values[order]
+    order = np.argsort(groups)  # a group's values in any order: only their median is kept
+    g = groups[order]
     starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
     counts = np.diff(np.r_[starts, len(g)])
+    width = int(counts.max())
+    if width * len(starts) <= 4 * len(values) + 4096:
+        row = np.repeat(np.arange(len(starts)), counts)
+        padded = np.full((len(starts), width), np.inf)  # the padding sorts after every value
+        padded[row, np.arange(len(g)) - starts[row]] = values[order]
+        padded.sort(axis=1)
+        rows = np.arange(len(starts))
+        return g[starts], (padded[rows, (counts - 1) // 2] + padded[rows, counts // 2]) / 2
+    order = np.lexsort((values, groups))
+    v = values[order]
     return g[starts], (v[starts + (counts - 1) // 2] + v[starts + counts // 2]) / 2
+
+
+def row_medians(series: list[np.ndarray]) -> np.ndarray:
+    """np.median of each array (nan for an empty one), those of one length at once."""
+    out = np.full(len(series), np.nan)
+    by_length: dict[int, list[int]] = {}
+    for i, values in enumerate(series):
+        by_length.setdefault(len(values), []).append(i)
+    for length, members in by_length.items():
+        if length:
+            out[members] = np.median(np.stack([series[i] for i in members]), axis=1)
+    return out
 
 
 def typical_ratios(rank: np.ndarray, iteration: np.ndarray, call: np.ndarray, busy: np.ndarray,
