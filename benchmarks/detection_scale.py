@@ -47,16 +47,23 @@ SCENARIOS = ("slow_rank_1.1", "slow_rank_random", "slow_rank_mid_run", "slow_ran
              "slow_node", "slow_link", "hang")
 
 
-def job(size: int, index: int, seed: int, iterations: int) -> tuple[JobSpec, str]:
-    """The index-th job of a size: even indices healthy, odd ones a fault scenario in turn."""
+def job(size: int, index: int, seed: int, iterations: int, scenarios: tuple[str, ...] | None = None
+        ) -> tuple[JobSpec, str]:
+    """The index-th job of a size: even indices healthy, odd ones a fault scenario in turn; with
+    `scenarios`, the index-th of them in turn ("healthy" or one of SCENARIOS)."""
     tp, pp, dp = LAYOUTS[size]
     rng = np.random.default_rng([seed, size, index])
     world = tp * pp * dp
     base = JobSpec(tp=tp, pp=pp, dp=dp, ranks_per_node=RANKS_PER_NODE, iterations=iterations,
                    seed=int(rng.integers(2**31)))
-    if index % 2 == 0:
+    if scenarios:
+        scenario = scenarios[index % len(scenarios)]
+    elif index % 2 == 0:
+        scenario = "healthy"
+    else:
+        scenario = SCENARIOS[(index // 2) % len(SCENARIOS)]
+    if scenario == "healthy":
         return base, "healthy"
-    scenario = SCENARIOS[(index // 2) % len(SCENARIOS)]
     rank = int(rng.integers(world))
     if scenario == "slow_rank_1.1":
         faults = (Fault("slow_rank", ranks=(rank,), factor=1.1),)
@@ -118,16 +125,27 @@ def until(data, end: int):
 
 
 def run_job(arguments: tuple) -> dict:
-    size, index, seed, iterations, online_window, check = arguments
-    spec, scenario = job(size, index, seed, iterations)
+    size, index, seed, iterations, online_window, check, paths, scenarios = arguments
+    spec, scenario = job(size, index, seed, iterations, scenarios)
     started = time.perf_counter()
     data, truth = synthesize(spec)
     synthesized = time.perf_counter() - started
     result = {"size": size, "index": index, "scenario": scenario, "synthesize_s": synthesized}
-    started = time.perf_counter()
-    offline = detect(data)
-    result["offline_s"] = time.perf_counter() - started
-    result["offline"] = judge(offline, truth, scenario)
+    result["summary_bytes"] = 0
+    if "offline" in paths or check:
+        started = time.perf_counter()
+        offline = detect(data)
+        result["offline_s"] = time.perf_counter() - started
+        result["offline"] = judge(offline, truth, scenario)
+    if "per_node" in paths or check:
+        _per_node(data, truth, scenario, result, offline if check else None)
+    if "online" in paths:
+        _online(data, truth, scenario, iterations, online_window, result)
+    result["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return result
+
+
+def _per_node(data, truth, scenario: str, result: dict, offline) -> None:
     # Per node: every node's summary (timed: the slowest is the job's), then rank 0's combine + detect.
     slowest, summaries, sizes = 0.0, [], []
     for part in split_by_node(data, RANKS_PER_NODE):
@@ -142,9 +160,12 @@ def run_job(arguments: tuple) -> dict:
     result["node_summary_s"] = slowest
     result["summary_bytes"] = int(np.median(sizes))
     result["per_node"] = judge(per_node, truth, scenario)
-    if check:
+    if offline is not None:
         result["same_names"] = ([(s.kind, s.ranks) for s in offline.suspects]
                                 == [(s.kind, s.ranks) for s in per_node.suspects])
+
+
+def _online(data, truth, scenario: str, iterations: int, online_window: int, result: dict) -> None:
     # Online: an analysis of everything traced so far at the end of each window, from
     # MIN_ITERATIONS on, with its confirmation across analyses (as OnlineDetector runs them).
     confirm, reported, slowest = Confirmation(), {}, 0.0
@@ -159,8 +180,6 @@ def run_job(arguments: tuple) -> dict:
             reported.setdefault((alert["kind"], tuple(alert["ranks"])), alert["suspect"])
     result["online_s"] = slowest
     result["online"] = judge(SimpleNamespace(suspects=list(reported.values()), verdict=""), truth, scenario)
-    result["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return result
 
 
 def table(results: list[dict], sizes: list[int]) -> str:
@@ -172,6 +191,8 @@ def table(results: list[dict], sizes: list[int]) -> str:
         if not mine:
             continue
         for path in ("offline", "per_node", "online"):
+            if path not in mine[0]:
+                continue
             healthy = [r for r in mine if r["scenario"] == "healthy"]
             faulty = [r for r in mine if r["scenario"] != "healthy"]
             slow11 = [r for r in faulty if r["scenario"] == "slow_rank_1.1"]
@@ -204,7 +225,8 @@ def per_scenario(results: list[dict], sizes: list[int]) -> str:
             mine = [r for r in results if r["size"] == size and r["scenario"] == scenario]
             if mine:
                 lines.append(f"| {size} | {scenario} | " + " | ".join(
-                    f"{sum(r[p]['found'] for r in mine)}/{len(mine)}" for p in ("offline", "per_node", "online")) + " |")
+                    f"{sum(r[p]['found'] for r in mine)}/{len(mine)}" if p in mine[0] else "-"
+                    for p in ("offline", "per_node", "online")) + " |")
     return "\n".join(lines)
 
 
@@ -221,16 +243,30 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2, help="processes running jobs (default %(default)s)")
     parser.add_argument("--check-summaries", action="store_true",
                         help="also report whether the per-node path named exactly what the offline one did")
+    parser.add_argument("--paths", default="offline,per_node,online",
+                        help="which analyses to run, comma-separated, of offline, per_node, online (default "
+                             "%(default)s)")
+    parser.add_argument("--scenarios", default=None,
+                        help="comma-separated jobs in turn, each 'healthy' or one of " + ", ".join(SCENARIOS)
+                             + " (default: every other job healthy, the others each fault in turn); e.g. "
+                               "healthy,healthy,slow_rank_1.1 for the false-alarm goal")
     parser.add_argument("--json", default=None, metavar="FILE", help="write every job's result here")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    paths = tuple(args.paths.split(","))
+    if not paths or set(paths) - {"offline", "per_node", "online"}:
+        parser.error(f"--paths: choose from offline, per_node, online (got {args.paths!r})")
+    scenarios = tuple(args.scenarios.split(",")) if args.scenarios else None
+    if scenarios and set(scenarios) - {"healthy", *SCENARIOS}:
+        parser.error(f"--scenarios: unknown {sorted(set(scenarios) - {'healthy', *SCENARIOS})}; choose from "
+                     f"healthy, {', '.join(SCENARIOS)}")
     unknown = [s for s in sizes if s not in LAYOUTS]
     if unknown:
         parser.error(f"--sizes: no layout for {unknown}; choose from {sorted(LAYOUTS)}")
     results: list[dict] = []
     started = time.perf_counter()
     for size in sizes:
-        work = [(size, i, args.seed, args.iterations, args.online_window, args.check_summaries)
+        work = [(size, i, args.seed, args.iterations, args.online_window, args.check_summaries, paths, scenarios)
                 for i in range(args.jobs)]
         # A fresh pool per size, so that a worker's peak memory is that size's.
         with multiprocessing.get_context("spawn").Pool(args.workers, maxtasksperchild=None) as pool:
