@@ -5,6 +5,7 @@ of the aggregating process and its loader processes. Goals on 2 cores: 1024 rank
   python benchmarks/aggregate_scale.py [--tp 8 --pp 8 --dp 16] [--jobs 2] [--keep DIR]
   python benchmarks/aggregate_scale.py --sweep 4,8,16,32,64   # DP sizes: 256 .. 4096 ranks, one table
   python benchmarks/aggregate_scale.py --dp 64 --format perfetto --focus-suspects 1000  # .pftrace + focused view
+  ... --format perfetto --trace-processor /path/to/trace_processor_shell  # loaded by Perfetto's own reader
 """
 from __future__ import annotations
 
@@ -45,7 +46,13 @@ def main() -> int:
     parser.add_argument("--focus-suspects", default=None, metavar="RANK,RANK,...",
                         help="also write the focused view (scripts/aggregate.py --focus) for these suspect ranks and "
                              "report its size")
+    parser.add_argument("--trace-processor", default=os.environ.get("PERFETTO_TRACE_PROCESSOR"), metavar="PATH",
+                        help="with --format perfetto: load the written traces with Perfetto's trace processor "
+                             "(trace_processor_shell at PATH; default $PERFETTO_TRACE_PROCESSOR) and compare its "
+                             "slice and flow counts with what was written")
     args = parser.parse_args()
+    if args.trace_processor and args.format != "perfetto":
+        parser.error("--trace-processor checks Perfetto traces: add --format perfetto")
     if args.sweep:
         return sweep(args)
     directory = Path(args.keep or tempfile.mkdtemp(prefix="megascan-scale-"))
@@ -66,8 +73,11 @@ def main() -> int:
                    load=t["load"], match=t["match"], align=t["align"], emit=t["emit"], total=t["total"],
                    output_mb=output.stat().st_size / 1e6, rss_main=own, rss_loader=children,
                    spread_p95=float(sorted(spread)[int(0.95 * len(spread))]), format=args.format)
+    written = {output: result.written}
     if args.focus_suspects:
-        figures.update(focus(result, directory, args))
+        figures.update(focus(result, directory, args, written))
+    if args.trace_processor:
+        figures.update(trace_processor_counts(args.trace_processor, written))
     if args.json:
         print(json.dumps(figures))
         return 0
@@ -95,12 +105,41 @@ def main() -> int:
         rows += [("focused view ranks", str(figures["focus_ranks"])),
                  ("focused view (MB)", f"{figures['focus_mb']:.1f}"),
                  ("focused view write (s)", f"{figures['focus_s']:.2f}")]
+    if args.trace_processor:
+        for kind in ("merged", "focused"):
+            if f"{kind}_tp_slices" in figures:
+                rows += [(f"{kind}: TP slices", f"{figures[f'{kind}_tp_slices']} of {figures[f'{kind}_slices']}"),
+                         (f"{kind}: TP flows", f"{figures[f'{kind}_tp_flows']} of {figures[f'{kind}_flows']}"),
+                         (f"{kind}: TP load (s)", f"{figures[f'{kind}_tp_s']:.1f}")]
     for name, value in rows:
         print(f"{name:24s} {value:>12s}")
+    if args.trace_processor:
+        equal = all(figures[f"{k}_tp_slices"] == figures[f"{k}_slices"] and figures[f"{k}_tp_flows"] == figures[f"{k}_flows"]
+                    for k in ("merged", "focused") if f"{k}_tp_slices" in figures)
+        print(f"Perfetto's trace processor read every slice and flow written: {equal}")
+        return 0 if equal else 1
     return 0
 
 
-def focus(result, directory: Path, args) -> dict:
+def trace_processor_counts(binary: str, written: dict[Path, dict[str, int]]) -> dict:
+    """Each written Perfetto trace loaded by Perfetto's own trace processor: its slice and flow
+    counts beside what the writer wrote (every event, restart and marker is a slice)."""
+    from perfetto.trace_processor import TraceProcessor, TraceProcessorConfig
+
+    out = {}
+    for path, counts in written.items():
+        kind = "focused" if path.name.startswith("focused") else "merged"
+        started = time.perf_counter()
+        with TraceProcessor(trace=str(path), config=TraceProcessorConfig(bin_path=binary, load_timeout=600)) as tp:
+            out[f"{kind}_tp_slices"] = next(iter(tp.query("select count(*) as n from slice"))).n
+            out[f"{kind}_tp_flows"] = next(iter(tp.query("select count(*) as n from flow"))).n
+        out[f"{kind}_tp_s"] = time.perf_counter() - started
+        out[f"{kind}_slices"] = counts["events"] + counts["restarts"] + counts["markers"]
+        out[f"{kind}_flows"] = counts["flows"]
+    return out
+
+
+def focus(result, directory: Path, args, written: dict) -> dict:
     """The focused view of --focus-suspects, written as the merged trace's format."""
     from megatron.scan.chrome import write_chrome_trace
     from megatron.scan.perfetto import focus_ranks, subset, write_perfetto_trace
@@ -109,8 +148,8 @@ def focus(result, directory: Path, args) -> dict:
     chosen = focus_ranks(result.trace, [int(r) for r in args.focus_suspects.split(",")])
     path = directory / ("focused_trace.pftrace" if args.format == "perfetto" else "focused_trace.json")
     writer = write_perfetto_trace if args.format == "perfetto" else write_chrome_trace
-    writer(*subset(result.trace, result.collectives, result.p2p, chosen.ranks), path,
-           other_data={"megascan_focus": chosen.note()})
+    written[path] = writer(*subset(result.trace, result.collectives, result.p2p, chosen.ranks), path,
+                           other_data={"megascan_focus": chosen.note()})
     return dict(focus_ranks=len(chosen.ranks), focus_mb=path.stat().st_size / 1e6,
                 focus_s=time.perf_counter() - started)
 

@@ -23,6 +23,7 @@ class Aggregation:
     p2p: P2PLinks
     alignment: Alignment
     timings: dict[str, float] = field(default_factory=dict)
+    written: dict[str, int] = field(default_factory=dict)  # what the trace writer wrote (events, flows, ...)
 
     def summary(self) -> dict[str, Any]:
         col = self.collectives
@@ -89,7 +90,7 @@ def aggregate(directory: str | os.PathLike, output: str | os.PathLike | None = N
     timings["align"] = time.perf_counter() - mark
     result = Aggregation(trace=trace, collectives=collectives, p2p=p2p, alignment=alignment, timings=timings)
     if output is not None:
-        write_trace(result, output, trace_format, progress=progress)
+        result.written = write_trace(result, output, trace_format, progress=progress)
     timings["total"] = time.perf_counter() - started
     return result
 

@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 
 from megatron.scan.detect import detect
-from megatron.scan.detect.model import unique_rows
+from megatron.scan.detect.collective import resolve_arrivals
+from megatron.scan.detect.model import busy_compute, unique_rows
 from megatron.scan.detect.multiplicity import JOB_FALSE_ALARM, chance_of_late_run, compute_floor, job_threshold
 from megatron.scan.detect.report import suspect_ranks, text_report
 from megatron.scan.detect.summary import combine, merge, node_summary, restrict, split_by_node
+from megatron.scan.detect.typical import group_median
 from megatron.scan.speed import peer_median
 from megatron.scan.synthetic_job import Fault, JobSpec, synthesize
 
@@ -188,3 +190,69 @@ def test_persistent_differences_of_healthy_devices_are_measured_among_many_ranks
     data, _ = synthesize(JobSpec(tp=4, pp=4, dp=16, seed=2, calibration=quiet,
                                  faults=(Fault("slow_rank", ranks=(77,), factor=1.25),)))
     assert names(detect(data)) == [("rank", [77])]
+
+
+def test_group_medians_equal_numpy_median_for_even_and_uneven_groups():
+    rng = np.random.default_rng(5)
+    for _ in range(100):
+        n = int(rng.integers(1, 300))
+        groups = rng.integers(0, int(rng.integers(1, 20)), n)
+        if rng.random() < 0.3:  # one group far larger than the rest: the two-key sort
+            groups[: n // 2 + 1] = 0
+        values = np.round(rng.normal(size=n), 1)
+        values[rng.random(n) < 0.2] = np.nan
+        ids, medians = group_median(values, groups)
+        for g, m in zip(ids, medians):
+            mine = values[(groups == g) & ~np.isnan(values)]
+            assert m == np.median(mine)
+        assert set(ids.tolist()) == set(groups[~np.isnan(values)].tolist())
+
+
+def test_the_last_arrival_of_each_instance_is_found_as_a_sort_by_arrival_finds_it():
+    rng = np.random.default_rng(6)
+    for _ in range(200):
+        instance = np.repeat(np.arange(int(rng.integers(1, 8))), int(rng.integers(2, 5)))
+        rng.shuffle(instance)
+        n = len(instance)
+        t = {"instance": instance, "rank": rng.integers(0, 6, n), "arrive": rng.integers(0, 4, n) * 1000,
+             "kind": rng.integers(0, 2, n), "group_size": np.full(n, 3), "iteration": rng.integers(0, 3, n)}
+        order = np.lexsort((t["arrive"], t["instance"]))  # ties: the row recorded last is last
+        last = np.flatnonzero(np.append(instance[order][1:] != instance[order][:-1], True))
+        _, late, count = resolve_arrivals(t)
+        assert count == len(last)
+        assert np.array_equal(late["rank"], t["rank"][order][last])
+        assert np.array_equal(late["lateness_ms"], (t["arrive"][order][last] - t["arrive"][order][last - 1]) / 1e6)
+
+
+def _busy_by_loop(rank, start, end, rows, boundary, collective):
+    """busy_compute's definition, rank by rank and span by span."""
+    busy = []
+    for row in rows:
+        b = np.sort(start[(rank == rank[row]) & boundary])
+        later = b[b >= end[row]]
+        stop = later[0] if len(later) else end[row]
+        mine = (rank == rank[row]) & collective & (start >= start[row]) & (start < stop)
+        waited = np.clip(np.minimum(end[mine], stop) - np.maximum(start[mine], start[row]), 0, None).sum()
+        busy.append(max(int(stop - start[row] - waited), 1))
+    return busy
+
+
+def test_busy_times_found_by_one_search_over_every_rank_equal_the_span_by_span_definition():
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        n = int(rng.integers(5, 120))
+        rank = rng.integers(0, 4, n)
+        start = rng.integers(0, 10_000, n).astype(np.int64) + 10**15
+        end = start + rng.integers(1, 800, n)
+        name = rng.integers(0, 4, n)  # 0: compute, 1: a wait boundary, 2: a collective, 3: other
+        group = np.where(name == 2, 1, -1)
+        flags = np.zeros(n, dtype=np.int64)
+        rows, busy = busy_compute(rank, name, start, end, flags, group, np.array([0]), np.array([1]))
+        want = _busy_by_loop(rank, start, end, rows, np.isin(name, [0, 1]), group >= 0)
+        assert busy.tolist() == want
+
+
+def test_evidence_names_many_peers_by_count_and_ranges():
+    data, _ = synthesize(JobSpec(tp=2, pp=4, dp=8, seed=4, faults=(Fault("slow_rank", ranks=(21,), factor=1.5),)))
+    text = detect(data).suspects[0].evidence[0]
+    assert "15 ranks (16-20,22-31)" in text and "[16, 17" not in text

@@ -14,7 +14,7 @@ from megatron.scan.detect.model import DetectionInput
 from megatron.scan.detect.nodes import name_slow_nodes
 from megatron.scan.detect.p2p import PipelineStage, pipeline_analysis
 from megatron.scan.detect.power import Power, compute_power, leading_candidate
-from megatron.scan.detect.suspect import Suspect, one_entry_per_suspect
+from megatron.scan.detect.suspect import Suspect, one_entry_per_suspect, peer_list
 
 
 @dataclass(kw_only=True)
@@ -97,10 +97,10 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
         if finding is not None and finding.method != "history" and finding.onset_iteration is not None:
             evidence.append(f"from iteration {finding.onset_iteration} on, compute {finding.slowdown:.2f}x its earlier "
                             f"standing against its {'peers' if finding.method == 'peers' else 'TP-index peers'} "
-                            f"{finding.peers} ({finding.z:.1f} standard errors, slower in every later iteration)")
+                            f"{peer_list(finding.peers)} ({finding.z:.1f} standard errors, slower in every later iteration)")
         elif finding is not None and finding.measure == "typical":
-            peers = (f"its peers {finding.peers}" if finding.method == "peers"
-                     else f"the other ranks of its TP index {finding.peers} (no same-stage peer)")
+            peers = (f"its peers {peer_list(finding.peers)}" if finding.method == "peers"
+                     else f"the other ranks of its TP index {peer_list(finding.peers)} (no same-stage peer)")
             call = "transformer-layer call" if stage1.layer_typical else "forward/backward task"
             evidence.append(f"compute {finding.slowdown:.2f}x {peers} in its typical {call} (median over "
                             f"{finding.iterations} iterations of the median call, {finding.z:.1f} standard errors, "
@@ -108,7 +108,7 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
                             f"every call, as a slower device is; its busy total read "
                             f"{_busy_total_ratio(finding):.2f}x")
         elif finding is not None and finding.method == "peers":
-            evidence.append(f"compute {finding.slowdown:.2f}x its peers {finding.peers} (median over "
+            evidence.append(f"compute {finding.slowdown:.2f}x its peers {peer_list(finding.peers)} (median over "
                             f"{finding.iterations} iterations of the busy total, {finding.z:.1f} standard errors, "
                             f"slower in {finding.slower_iterations} of {finding.iterations}; median task "
                             f"{finding.task_slowdown:.2f}x, {finding.slow_instances} of {finding.instances} tasks "
@@ -118,7 +118,7 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
             evidence.append(f"slowest tasks: {ops}")
         elif finding is not None and finding.method == "layers":
             evidence.append(f"per-layer compute {finding.slowdown:.2f}x the other ranks of its TP index "
-                            f"{finding.peers} (no same-stage peer; median over {finding.iterations} iterations of the "
+                            f"{peer_list(finding.peers)} (no same-stage peer; median over {finding.iterations} iterations of the "
                             f"mean transformer-layer busy time, {finding.z:.1f} standard errors, slower in "
                             f"{finding.slower_iterations} of {finding.iterations})")
         elif finding is not None and finding.onset_iteration is not None:

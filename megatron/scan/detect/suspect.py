@@ -8,6 +8,18 @@ from megatron.scan.detect.model import DetectionInput
 from megatron.scan.hang import rank_ranges
 
 
+# Peers listed one by one in evidence up to this many; more read as a count and rank ranges
+# (a stage of a 4,096-rank job has 511 peers).
+LISTED_PEERS = 8
+
+
+def peer_list(peers: list[int]) -> str:
+    """[1, 2, 3] as it reads in evidence; many peers as '511 ranks (2560-2809,2811-3071)'."""
+    if len(peers) <= LISTED_PEERS:
+        return str(list(peers))
+    return f"{len(peers)} ranks ({rank_ranges(peers)})"
+
+
 @dataclass(kw_only=True)
 class Suspect:
     kind: str  # "rank" | "link" | "node" (every rank of one host: details["host"])
