@@ -8,6 +8,8 @@ once confirmed, as online detection does; its time is one analysis, the last and
     python benchmarks/detection_scale.py                       # 64 .. 4,096 ranks, 100 jobs each
     python benchmarks/detection_scale.py --sizes 16384 --jobs 20
     python benchmarks/detection_scale.py --sizes 256,1024 --check-summaries   # per node == offline
+    python benchmarks/detection_scale.py --sizes 4096 --jobs 150 --scenarios healthy,healthy,slow_rank_1.1 \
+        --paths offline,online        # 100 healthy jobs: the false-alarm goal
 
 Per size it prints: healthy jobs naming anyone, the share of faulty jobs whose fault was named
 (recall) per fault kind, precision of the names in faulty jobs, a slow node named as the node,
