@@ -23,6 +23,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron.app import checkpoint as ckpt  # noqa: E402
+from megatron.app.checkpoint_convert import conversion_problems, convert_rank_payload  # noqa: E402
 from megatron.app.config import format_layer_split, parse_layer_split  # noqa: E402
 from megatron.app.progress import Reporter, reporter  # noqa: E402
 
@@ -66,7 +67,7 @@ def convert(load: str, save: str, split: list[int], iteration: int | None = None
     layout = header.get("layout")
     if not layout:
         raise ckpt.CheckpointError(f"{first} records no layout; it was not written by pretrain_gpt.py")
-    problems = ckpt.conversion_problems(header, split)
+    problems = conversion_problems(header, split)
     if problems:
         raise ckpt.CheckpointError("--pipeline-layer-split does not fit the checkpoint:\n  " + "\n  ".join(problems))
     tp, pp = int(layout["tensor_model_parallel_size"]), int(layout["pipeline_model_parallel_size"])
@@ -92,7 +93,7 @@ def convert(load: str, save: str, split: list[int], iteration: int | None = None
                     return files[stage]
 
                 for stage in range(pp):
-                    payload = ckpt.convert_rank_payload(read, stage, list(split))
+                    payload = convert_rank_payload(read, stage, list(split))
                     ckpt.write_rank_file(ckpt.rank_file(staging, t, stage), payload)
                     step.update()
     except BaseException:

@@ -11,17 +11,14 @@ against the manifest (checkpoints without one, written before it existed, load u
 damaged checkpoint is reported with the newest intact iteration to load with `--ckpt-step N`.
 
 A checkpoint saved with another pipeline layer split (same TP and PP sizes, same model) is
-converted while loading: `convert_rank_payload` builds the file the run would have written with its
-own split from the saved files of its TP rank, moving decoder layers and their optimizer state by
-global layer number. tools/convert_checkpoint.py writes such files for a whole checkpoint. The
-module is over 400 lines because the converter and the integrity checks (manifest, the ranks'
-agreement on a save, finding the newest intact iteration) work on the file format, layout signature
-and errors defined here, and saving and loading call them.
+converted while loading (checkpoint_convert.py); the files, their checksums and the manifest are
+checkpoint_files.py. The module is over 400 lines because saving (the ranks' agreement on a save
+and its failure report) and loading (finding the newest intact iteration, checking the layout
+signature) share the directory layout and layout signature defined here.
 """
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import random
@@ -35,26 +32,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.app.config import chunk_layers, first_layer_of, format_layer_split, locate_layer
+from megatron.app.checkpoint_convert import convert_rank_payload
+from megatron.app.checkpoint_files import (CHECKSUM, DECODER_LAYER, MANIFEST, SPLIT, CheckpointError,
+                                           CheckpointSaveError, checkpoint_problems, file_problem, read_manifest,
+                                           saved_layer_split, write_rank_file)
+from megatron.app.config import format_layer_split
 from megatron.app.model import global_parameter_name, unwrap_model
-from megatron.app.optimizers import Fp16Optimizer, TorchOptimizer, applies_weight_decay, group_order
+from megatron.app.optimizers import Fp16Optimizer, TorchOptimizer
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-# sha256: with OpenSSL's SHA extensions hashlib hashes about as fast as zlib.crc32 (~1 GB/s on this
-# project's CPUs, faster than blake2b), releases the GIL, and `sha256sum FILE` checks it by hand.
-CHECKSUM = "sha256"
 _ITERATION_DIR = re.compile(r"^iter_(\d+)$")
 _STAGING_DIR = re.compile(r"^iter_\d+\.tmp$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, torn, or does not match the launch configuration."""
-
-
-class CheckpointSaveError(CheckpointError):
-    """A save failed on some rank; the partial checkpoint was removed and the tracker left alone."""
 
 
 def iteration_dir(root: str, iteration: int) -> Path:
@@ -121,28 +110,11 @@ def layout_signature(cfg) -> dict[str, Any]:
     }
 
 
-SPLIT = "pipeline_layer_split"
-_DECODER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-# The parameters megatron-core marks `is_embedding_or_output_parameter` (their own groups with
-# --decoupled-lr); only needed for checkpoints that do not record their optimizer's parameter order.
-_EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
-_Entry = tuple[torch.Tensor, dict, bool]  # a saved parameter: tensor, optimizer state, decoupled group or not
-
-
-def saved_layer_split(layout: dict) -> list[int]:
-    """The layer split a checkpoint's layout signature records (checkpoints written before splits
-    were recorded hold the even one)."""
-    if layout.get(SPLIT) is not None:
-        return [int(n) for n in layout[SPLIT]]
-    pp = int(layout["pipeline_model_parallel_size"])
-    return [int(layout["num_layers"]) // pp] * pp
-
-
 def parameter_key(chunk: torch.nn.Module, local_name: str) -> str:
     """The name a checkpoint converter tracks a state entry of a model chunk by: decoder layers by
     their global layer number, everything else (embedding, final norm, output layer: they stay on
     the first and last stage) by its name in the chunk."""
-    if _DECODER_LAYER.match(local_name):
+    if DECODER_LAYER.match(local_name):
         return global_parameter_name(chunk, local_name)
     return local_name
 
@@ -331,108 +303,6 @@ def _save_failure_message(root: str, iteration: int, staging: Path, reports: lis
         resume = f"no checkpoint was saved in {root} before this one"
     lines.append(f"the partial {staging.name}/ was removed; {resume}")
     return "\n".join(lines)
-
-
-class _HashingWriter:
-    """The file object torch.save writes through (sequentially, never seeking): counts and hashes
-    the bytes, and keeps the OSError a write raised (torch.save reports it as an opaque
-    RuntimeError)."""
-
-    def __init__(self, file):
-        self.file, self.digest, self.size, self.error = file, hashlib.new(CHECKSUM), 0, None
-
-    def write(self, data) -> int:
-        try:
-            written = self.file.write(data)
-        except OSError as exc:
-            self.error = exc
-            raise
-        self.digest.update(data)
-        self.size += written
-        return written
-
-    def flush(self) -> None:
-        try:
-            self.file.flush()
-        except OSError as exc:
-            self.error = exc
-            raise
-
-
-def write_rank_file(target: Path, payload: dict) -> dict[str, Any]:
-    """One rank's file, whole or not at all: a temp file beside it, synced, then renamed. Returns
-    its manifest entry (size and checksum); raises the OSError of a failed write."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            sink = _HashingWriter(f)
-            try:
-                torch.save(payload, sink)
-            except RuntimeError as exc:
-                if sink.error is not None:
-                    raise sink.error from exc
-                raise
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return {"size": sink.size, CHECKSUM: sink.digest.hexdigest()}
-
-
-def file_checksum(path: Path) -> str:
-    digest = hashlib.new(CHECKSUM)
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def read_manifest(directory: Path) -> dict | None:
-    """The manifest of an iteration directory; None for a checkpoint written before manifests."""
-    path = directory / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        manifest = json.loads(path.read_text())
-        files = manifest["files"]
-        if not isinstance(files, dict) or manifest.get("checksum", CHECKSUM) != CHECKSUM:
-            raise ValueError("no files table, or another checksum")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path} cannot be read ({exc}); the checkpoint is damaged") from exc
-    return manifest
-
-
-def file_problem(directory: Path, relative: str, entry: dict) -> str | None:
-    """What is wrong with one file of a checkpoint, checked against its manifest entry; None if intact."""
-    path = directory / relative
-    if not path.is_file():
-        return f"{path} is missing (its {MANIFEST} lists it)"
-    size = path.stat().st_size
-    if size != entry["size"]:
-        how = "truncated" if size < entry["size"] else "longer than saved"
-        return f"{path} is {how}: {size} bytes, its {MANIFEST} records {entry['size']}"
-    if file_checksum(path) != entry[CHECKSUM]:
-        return (f"{path} does not match its {CHECKSUM} checksum in {MANIFEST} (same size, different content: "
-                "a changed or flipped byte)")
-    return None
-
-
-def checkpoint_problems(directory: Path) -> list[str] | None:
-    """Every damaged file of a saved iteration (sizes first, then checksums); None if it has no manifest."""
-    manifest = read_manifest(directory)
-    if manifest is None:
-        return None
-    problems = []
-    for relative, entry in manifest["files"].items():
-        path = directory / relative
-        if not path.is_file() or path.stat().st_size != entry["size"]:
-            problems.append(file_problem(directory, relative, entry))
-    if problems:
-        return problems
-    return [p for p in (file_problem(directory, r, e) for r, e in manifest["files"].items()) if p]
 
 
 def saved_iterations(root: str) -> list[int]:
@@ -661,198 +531,6 @@ def _convert_while_loading(root: str, own: dict, chunks, optimizer, cfg, tp_rank
             f"line up with this run's parameters (stage {pp_rank}: {len(converted['optimizer_keys'])} converted, "
             f"{len(expected)} in the optimizer); resume with --pipeline-layer-split {saved}")
     return converted
-
-
-def convert_rank_payload(read, stage: int, split: list[int]) -> dict:
-    """The checkpoint file stage `stage` of one TP rank would hold with layer split `split`, built
-    from the saved files of that TP rank (`read(stage) -> payload`, read only where needed): the
-    stage's own file gives the embedding, final norm, output layer (tied or not), RNG state, loss
-    scaler and iteration; each decoder layer, with its optimizer state (AdamW moments and step, fp16
-    master weights), comes from the file that holds it under the saved split. Same TP and PP sizes,
-    number of layers and virtual chunks as the saved run."""
-    own = read(stage)
-    layout = own["layout"]
-    problems = conversion_problems(own, split)
-    if problems:
-        raise CheckpointError("cannot convert the checkpoint: " + "; ".join(problems))
-    saved_split = saved_layer_split(layout)
-    num_chunks = int(layout.get("num_chunks", 1))
-    kind = _optimizer_kind_of(own)
-    old_sizes, new_sizes = chunk_layers(saved_split, num_chunks), chunk_layers(split, num_chunks)
-
-    def source_of(key: str) -> tuple[int, str]:
-        """(saved stage, key there is tracked by) of a converted state entry."""
-        match = _DECODER_LAYER.match(key)
-        return (locate_layer(old_sizes, int(match.group(1)))[0], key) if match else (stage, key)
-
-    entries: dict[int, dict[str, _Entry]] = {}  # saved stage -> tracked key -> entry
-
-    def entries_of(saved_stage: int) -> dict[str, _Entry]:
-        if saved_stage not in entries:
-            payload = read(saved_stage)
-            if saved_layer_split(payload["layout"]) != saved_split or payload["iteration"] != own["iteration"]:
-                raise CheckpointError(f"the saved files of stages {stage} and {saved_stage} come from different "
-                                      "saves (layer split or iteration differ); the checkpoint is damaged")
-            entries[saved_stage] = _tracked_entries(payload, saved_stage, old_sizes, kind)
-        return entries[saved_stage]
-
-    model, keys = [], []
-    for chunk in range(num_chunks):
-        state: dict[str, Any] = {}
-        first = first_layer_of(new_sizes, stage, chunk)
-        placed = False
-        for local, value in own["model"][chunk].items():
-            if not _DECODER_LAYER.match(local):
-                state[local] = value
-                keys.append(local)
-                continue
-            if placed:
-                continue
-            placed = True  # this chunk's decoder layers go where the saved chunk's were
-            for index in range(new_sizes[stage][chunk]):
-                layer = first + index
-                saved_stage, saved_chunk, saved_index = locate_layer(old_sizes, layer)
-                prefix = f"decoder.layers.{saved_index}."
-                for saved_local, saved_value in read(saved_stage)["model"][saved_chunk].items():
-                    if saved_local.startswith(prefix):
-                        suffix = saved_local[len(prefix):]
-                        state[f"decoder.layers.{index}.{suffix}"] = saved_value
-                        keys.append(f"decoder.layers.{layer}.{suffix}")
-        model.append(state)
-
-    # The optimizer's parameter order as parameter_groups builds it: groups by (decay, decoupled)
-    # in group_order, each in the chunks' parameter order.
-    groups: dict[tuple[bool, bool], list[str]] = {}
-    for key in keys:
-        saved_stage, tracked = source_of(key)
-        found = entries_of(saved_stage).get(tracked)
-        if found is None:
-            continue  # not a parameter (a buffer or extra state)
-        tensor, _, decoupled = found
-        groups.setdefault((applies_weight_decay(key, tensor.ndim), bool(decoupled)), []).append(key)
-    own_groups = _group_settings(own, kind, entries_of(stage))
-    order = sorted(groups, key=group_order)
-    missing = [ident for ident in order if ident not in own_groups]
-    if missing:
-        raise CheckpointError(f"stage {stage}'s saved optimizer has no parameter group for {missing} "
-                              "(decay, decoupled); the checkpoint cannot be converted")
-    optimizer_keys = [key for ident in order for key in groups[ident]]
-    found = [entries_of(saved_stage)[tracked] for saved_stage, tracked in map(source_of, optimizer_keys)]
-    torch_state = {index: entry[1]["state"] for index, entry in enumerate(found) if entry[1]["state"] is not None}
-    masters = [entry[1]["master"] for entry in found]
-    param_groups, start = [], 0
-    for ident in order:
-        param_groups.append({**own_groups[ident], "params": list(range(start, start + len(groups[ident])))})
-        start += len(groups[ident])
-    optimizer = {"state": torch_state, "param_groups": param_groups}
-    if kind == "fp16-adamw":
-        optimizer = {"optimizer": optimizer, "masters": masters, "scaler": own["optimizer"]["scaler"]}
-    converted = dict(own)
-    converted.update(model=model, optimizer=optimizer, optimizer_kind=kind, optimizer_keys=optimizer_keys,
-                     layout={**layout, SPLIT: list(split)})
-    args = dict(own.get("args", {}))
-    if args:
-        args.update(pipeline_layer_split=list(split), decoder_first_pipeline_num_layers=None,
-                    decoder_last_pipeline_num_layers=None)
-        converted["args"] = args
-    return converted
-
-
-def conversion_problems(payload: dict, split: list[int]) -> list[str]:
-    """What keeps a checkpoint (one of its rank files' `payload`) from being converted to `split`."""
-    layout = payload["layout"]
-    pp, num_layers = int(layout["pipeline_model_parallel_size"]), int(layout["num_layers"])
-    num_chunks = int(layout.get("num_chunks", 1))
-    shown = format_layer_split(split)
-    problems = []
-    if len(split) != pp:
-        problems.append(f"layer split {shown} has {len(split)} entries but the checkpoint has {pp} pipeline stages; "
-                        "give one layer count per stage")
-    if sum(split) != num_layers:
-        problems.append(f"layer split {shown} sums to {sum(split)}, but the sum must be the checkpoint's "
-                        f"{num_layers} layers")
-    if any(n < 1 or n % num_chunks for n in split):
-        problems.append(f"layer split {shown}: the checkpoint has {num_chunks} model chunk(s) per stage, so every "
-                        f"entry must be a positive multiple of {num_chunks}")
-    if _optimizer_kind_of(payload) == "megatron-core":
-        problems.append(f"it holds megatron-core's optimizer state (a --device cuda run, saved with layer split "
-                        f"{format_layer_split(saved_layer_split(layout))}); only checkpoints of this trainer's CPU "
-                        "optimizer are converted")
-    return problems
-
-
-def _optimizer_kind_of(payload: dict) -> str:
-    kind = payload.get("optimizer_kind")
-    if kind is not None:
-        return kind
-    state = payload.get("optimizer", {})
-    if isinstance(state, dict) and "masters" in state and "scaler" in state:
-        return "fp16-adamw"
-    groups = state.get("param_groups") if isinstance(state, dict) else None
-    if groups and "state" in state and all("decoupled" in group for group in groups):
-        return "adamw"
-    return "megatron-core"
-
-
-def _torch_state(payload: dict, kind: str) -> dict:
-    return payload["optimizer"]["optimizer"] if kind == "fp16-adamw" else payload["optimizer"]
-
-
-def _tracked_entries(payload: dict, stage: int, sizes: list[list[int]], kind: str) -> dict[str, _Entry]:
-    """Tracked key -> (tensor, {"state": AdamW state, "master": fp16 master}, decoupled) of every
-    parameter in a saved stage file."""
-    tensors = {}
-    for chunk, state in enumerate(payload["model"]):
-        first = first_layer_of(sizes, stage, chunk)
-        for local, value in state.items():
-            match = _DECODER_LAYER.match(local)
-            key = f"decoder.layers.{first + int(match.group(1))}.{local[match.end():]}" if match else local
-            tensors[key] = value
-    keys = payload.get("optimizer_keys") or _reconstructed_keys(payload, tensors, kind)
-    torch_state = _torch_state(payload, kind)
-    decoupled_at = {}
-    for group in torch_state["param_groups"]:
-        for index in group["params"]:
-            decoupled_at[index] = bool(group.get("decoupled"))
-    masters = payload["optimizer"]["masters"] if kind == "fp16-adamw" else None
-    if len(keys) != len(decoupled_at) or (masters is not None and len(masters) != len(keys)):
-        raise CheckpointError(f"stage {stage}'s saved optimizer holds {len(decoupled_at)} parameters but its model "
-                              f"{len(keys)}; the checkpoint cannot be converted")
-    return {key: (tensors[key], {"state": torch_state["state"].get(index),
-                                 "master": masters[index] if masters is not None else None}, decoupled_at[index])
-            for index, key in enumerate(keys)}
-
-
-def _reconstructed_keys(payload: dict, tensors: dict[str, Any], kind: str) -> list[str]:
-    """The optimizer's parameter order of a file that does not record it: the model's tensors in
-    state_dict order, grouped as parameter_groups groups them; checked against the saved groups."""
-    groups = _torch_state(payload, kind)["param_groups"]
-    decoupled_on = any(group.get("decoupled") for group in groups)
-    by_group: dict[tuple[bool, bool], list[str]] = {}
-    for key, value in tensors.items():
-        if not isinstance(value, torch.Tensor) or key.endswith("_extra_state"):
-            continue
-        ident = (applies_weight_decay(key, value.ndim), decoupled_on and key in _EMBEDDING_OR_OUTPUT)
-        by_group.setdefault(ident, []).append(key)
-    order = sorted(by_group, key=group_order)
-    if [len(by_group[ident]) for ident in order] != [len(group["params"]) for group in groups] or any(
-            bool(group.get("decoupled")) != ident[1] for ident, group in zip(order, groups)):
-        raise CheckpointError("the checkpoint does not record its optimizer's parameter order and it cannot be "
-                              "told from the model's; it cannot be converted to another layer split")
-    return [key for ident in order for key in by_group[ident]]
-
-
-def _group_settings(payload: dict, kind: str, entries: dict) -> dict[tuple[bool, bool], dict]:
-    """(decay, decoupled) -> the saved group's settings (lr, betas, weight decay, ...), of one file."""
-    keys = list(entries)  # in the optimizer's order
-    settings = {}
-    for group in _torch_state(payload, kind)["param_groups"]:
-        if not group["params"]:
-            continue
-        tensor, _, decoupled = entries[keys[group["params"][0]]]
-        ident = (applies_weight_decay(keys[group["params"][0]], tensor.ndim), bool(decoupled))
-        settings[ident] = {k: v for k, v in group.items() if k != "params"}
-    return settings
 
 
 def load_progress(root: str, cfg, tp_rank: int, pp_rank: int, any_tensor_parallel_size: bool = False) -> tuple[int, int]:

@@ -87,12 +87,10 @@ def nested_busy(rank: np.ndarray, start: np.ndarray, end: np.ndarray, rows: np.n
     busy = (end[rows] - start[rows]).astype(np.int64)
     if not len(rows) or not len(waits):
         return busy
-    low = int(min(start.min(), end.min()))
-    span = int(max(start.max(), end.max())) - low + 1
-    ranks_at_once = max(1, 2 ** 62 // span)  # rank x span must fit in int64 (see busy_compute)
-    for first in range(0, int(rank.max()) + 1, ranks_at_once):
-        these = np.flatnonzero((rank[rows] >= first) & (rank[rows] < first + ranks_at_once))
-        w = waits[(rank[waits] >= first) & (rank[waits] < first + ranks_at_once)]
+    low, span = _time_span(start, end)
+    for first, last in _rank_blocks(rank, span):
+        these = np.flatnonzero((rank[rows] >= first) & (rank[rows] < last))
+        w = waits[(rank[waits] >= first) & (rank[waits] < last)]
         if not len(these) or not len(w):
             continue
         axis = (rank - first).astype(np.int64) * span
@@ -160,17 +158,28 @@ def busy_compute(rank: np.ndarray, name: np.ndarray, start: np.ndarray, end: np.
     # Every rank's events on one axis, rank by rank (rank x span + time), so that one sorted
     # search finds each span's next boundary and its collectives among its own rank's: a loop
     # over ranks cost ranks x events (41 s at 4,096 ranks).
-    low = int(min(start.min(), end.min()))
-    span = int(max(start.max(), end.max())) - low + 1
-    ranks_at_once = max(1, 2 ** 62 // span)
-    for first in range(0, int(rank.max()) + 1, ranks_at_once):
-        these = np.flatnonzero((rank[rows] >= first) & (rank[rows] < first + ranks_at_once))
+    low, span = _time_span(start, end)
+    for first, last in _rank_blocks(rank, span):
+        these = np.flatnonzero((rank[rows] >= first) & (rank[rows] < last))
         if len(these):
-            busy[these] = _busy(rows[these], b[(rank[b] >= first) & (rank[b] < first + ranks_at_once)],
-                                cr[(rank[cr] >= first) & (rank[cr] < first + ranks_at_once)], rank - first,
+            busy[these] = _busy(rows[these], b[(rank[b] >= first) & (rank[b] < last)],
+                                cr[(rank[cr] >= first) & (rank[cr] < last)], rank - first,
                                 start - low, end - low, span,
                                 None if not_before is None else not_before[these] - low)
     return rows, busy
+
+
+def _time_span(start: np.ndarray, end: np.ndarray) -> tuple[int, int]:
+    """(earliest time, span of the times): times less the first fall in [0, span)."""
+    low = int(min(start.min(), end.min()))
+    return low, int(max(start.max(), end.max())) - low + 1
+
+
+def _rank_blocks(rank: np.ndarray, span: int) -> list[tuple[int, int]]:
+    """[first, last) rank blocks few enough that rank x span + time fits in int64 (one block unless
+    the trace spans centuries of nanoseconds)."""
+    at_once = max(1, 2 ** 62 // span)
+    return [(first, first + at_once) for first in range(0, int(rank.max()) + 1, at_once)]
 
 
 def _busy(rows: np.ndarray, b: np.ndarray, cr: np.ndarray, rank: np.ndarray, start: np.ndarray, end: np.ndarray,
