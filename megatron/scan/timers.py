@@ -67,19 +67,31 @@ class CudaTimer:
         self._torch.cuda.synchronize(self._device)
 
     def resolver(self):
-        """A function for the writer thread: replaces event tokens in the event tuples by ns."""
+        """A function for the writer thread: replaces event tokens in the event tuples by ns.
+
+        One token may stand in several places: a layer's backward ends where the next one's
+        begins, so both spans hold the same event. Each event is read once and goes back to the
+        pool once, after the whole window is read. Returned twice, one CUDA event would be handed
+        to two later marks; the second record() overwrites the first, and from then on spans read
+        zero, negative or other spans' times (on an H200, from about iteration 100 of a run traced
+        with per-layer scopes, every window was wrong by iteration 500)."""
         reference, host_ns, pool = self._reference, self._reference_host_ns, self._pool
         event_type = self._torch.cuda.Event
 
-        def to_ns(token: Any) -> int:
-            if isinstance(token, event_type):
-                ns = host_ns + int(reference.elapsed_time(token) * 1e6)
-                pool.append(token)
-                return ns
-            return token
-
         def resolve(events: list[tuple]) -> list[tuple]:
-            return [(e[0], to_ns(e[1]), to_ns(e[2]), *e[3:]) for e in events]
+            read: dict[int, tuple[Any, int]] = {}  # id(event) -> (event, ns)
+
+            def to_ns(token: Any) -> int:
+                if not isinstance(token, event_type):
+                    return token
+                known = read.get(id(token))
+                if known is None:
+                    known = read[id(token)] = (token, host_ns + int(reference.elapsed_time(token) * 1e6))
+                return known[1]
+
+            resolved = [(e[0], to_ns(e[1]), to_ns(e[2]), *e[3:]) for e in events]
+            pool.extend(event for event, _ in read.values())
+            return resolved
 
         return resolve
 
