@@ -16,7 +16,13 @@ import pytest
 from megatron.scan.detect import detect
 from megatron.scan.detect.collective import resolve_arrivals
 from megatron.scan.detect.model import busy_compute, unique_rows
-from megatron.scan.detect.multiplicity import JOB_FALSE_ALARM, chance_of_late_run, compute_floor, job_threshold
+from megatron.scan.detect.multiplicity import (
+    COMPUTE_MEASURES,
+    JOB_FALSE_ALARM,
+    chance_of_late_run,
+    compute_floor,
+    job_threshold,
+)
 from megatron.scan.detect.report import suspect_ranks, text_report
 from megatron.scan.detect.summary import combine, merge, node_summary, restrict, split_by_node
 from megatron.scan.detect.typical import group_median
@@ -52,6 +58,44 @@ def test_a_run_of_slow_iterations_is_judged_against_how_often_any_rank_has_one()
     assert chance_of_late_run(pool, np.array([0.2, 0.25]), 64 * 16) > JOB_FALSE_ALARM
     # Ten such iterations in a row: a fault that began.
     assert chance_of_late_run(pool, np.full(10, 0.2), 64 * 16) < JOB_FALSE_ALARM
+
+
+def test_a_run_after_a_baseline_that_fell_low_by_chance_is_not_rare():
+    rng = np.random.default_rng(1)
+    series = rng.normal(0, 0.03, (4096, 20))
+    series[rng.random(series.shape) < 0.07] += 0.3  # heavy tail: 7% of iterations 1.35x
+    medians = np.median(series, axis=1)
+    pool = (series - medians[:, None]).ravel()
+    split, tests = 13, 4096 * 16
+    errors = np.median(series[:, :split], axis=1) - medians
+    # Seven iterations ending a series, all at least 0.06 above a baseline of 13 iterations: as
+    # independent values, rare enough to name; but they share that baseline, and where it fell
+    # low by chance all of them stand higher: a run like this is within the budget's chance.
+    later = np.array([0.33, 0.72, 0.33, 0.08, 0.45, 0.06, 0.37])
+    independent = chance_of_late_run(pool, later, tests)
+    shared = chance_of_late_run(pool, later, tests, errors)
+    assert independent < JOB_FALSE_ALARM / COMPUTE_MEASURES < shared
+    # A baseline measured without error: the values are independent, q^k as before.
+    assert chance_of_late_run(pool, later, tests, np.zeros(100)) == pytest.approx(independent)
+    # A fault that began: ten iterations 1.35x, each past nearly every healthy value.
+    assert chance_of_late_run(pool, np.full(10, 0.25), tests, errors) < JOB_FALSE_ALARM / COMPUTE_MEASURES
+
+
+@pytest.mark.parametrize("seed", [2070714045, 1169389137])
+def test_healthy_4096_rank_jobs_that_named_a_rank_name_nobody(seed):
+    """Two of the five healthy 4,096-rank synthetic jobs (benchmarks/detection_scale.py, seed 1)
+    that named a rank before the compute tests shared the job's budget: a rank whose last seven
+    iterations, five of them tail iterations, followed a low baseline (read as an onset 1.40x),
+    and one whose tail iterations lifted its busy total's median to 1.07x."""
+    data, truth = synthesize(JobSpec(tp=8, pp=8, dp=64, ranks_per_node=8, seed=seed))
+    assert truth.healthy
+    assert names(detect(data)) == []
+
+
+def test_a_rank_1_1x_slower_among_4096_is_named():
+    data, truth = synthesize(JobSpec(tp=8, pp=8, dp=64, ranks_per_node=8, seed=11,
+                                     faults=(Fault("slow_rank", ranks=(1809,), factor=1.1),)))
+    assert ("rank", [1809]) in names(detect(data))
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

@@ -9,6 +9,7 @@ import numpy as np
 
 from megatron.scan.detect.model import DetectionInput, unique_rows
 from megatron.scan.detect.multiplicity import (
+    COMPUTE_MEASURES,
     FLOOR_MAX,
     JOB_FALSE_ALARM,
     chance_of_late_run,
@@ -153,7 +154,7 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
         typical.update(stage_typical(data, ranks, in_stage))
     iteration_noise = series_noise([r for r, *_ in compared.values()], default=0.1)
     typical_noise = series_noise([r for _, r in typical.values()], default=0.1)
-    z_rank = job_threshold(z_rank, len(data.world))
+    z_rank = job_threshold(z_rank, len(data.world) * COMPUTE_MEASURES)
     if min_slowdown is None:
         # The floor falls below 1.2x only among many ranks, where the spread over ranks
         # (between_rank_spread) guards against healthy devices' persistent differences; a small
@@ -165,6 +166,7 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
     onset_pool = (np.concatenate([r - series_median[rank] for rank, (r, *_) in compared.items() if len(r)])
                   if compared else np.zeros(0))
     onset_tests = sum(max(len(r) - 4, 1) for r, *_ in compared.values())
+    baseline_errors = BaselineErrors(list(compared), [r for r, *_ in compared.values()], list(series_median.values()))
     between = between_rank_spread([r for r, *_ in compared.values()], [r for _, r in typical.values()])
     best_onsets: dict[int, tuple[float, float, int] | None] = {}
     by_length: dict[int, list[int]] = {}
@@ -187,7 +189,7 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
                                   z_instance, z_rank, min_slowdown, min_consistency,
                                   iterations_of=iterations, own=own, neighbours=neighbours,
                                   typical=typical.get(rank), typical_noise=typical_noise,
-                                  onset_pool=onset_pool, onset_tests=onset_tests,
+                                  onset_pool=onset_pool, onset_tests=onset_tests, baseline_errors=baseline_errors,
                                   best_onset=best_onsets.get(rank, False), between=between,
                                   median=series_median[rank])
     # Ranks with no same-stage peer (PP-only layouts): with per-layer spans, every transformer
@@ -272,15 +274,17 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
              neighbours: list[tuple[np.ndarray, np.ndarray]] = (),
              typical: tuple[np.ndarray, np.ndarray] | None = None,
              typical_noise: float = float("nan"), onset_pool: np.ndarray | None = None,
-             onset_tests: int = 1, best_onset: tuple[float, float, int] | None | bool = False,
+             onset_tests: int = 1, baseline_errors: BaselineErrors | None = None,
+             best_onset: tuple[float, float, int] | None | bool = False,
              between: tuple[float, float] | None = None, median: float | None = None) -> ComputeFinding:
     """`per_iteration`: the rank's log ratio to its peers per iteration; `own`: its own log busy
     per iteration (same order), which an onset must show beyond what the other ranks of its host
     show at the same iteration (`neighbours`: their (iterations, own log busy); see
     own_share_of_onset). `typical`: (iterations, log ratio of its typical call; typical_ratios),
     judged by the same tests with its own noise when the totals name nothing. An onset must also
-    be unlikely as a run of chance iterations among all ranks' (`onset_pool`, `onset_tests`:
-    multiplicity.chance_of_late_run). `median`: np.median(per_iteration), when known."""
+    be unlikely as a run of chance iterations among all ranks' (`onset_pool`, `onset_tests`,
+    `baseline_errors`: multiplicity.chance_of_late_run), within its share of the job's false-alarm
+    budget. `median`: np.median(per_iteration), when known."""
     median = float(np.median(per_iteration)) if median is None else float(median)
     z = median / (1.2533 * iteration_noise / np.sqrt(len(per_iteration)))
     consistent = bool(np.mean(per_iteration > 0) >= min_consistency) if len(per_iteration) >= 4 else True
@@ -305,8 +309,9 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
     if not flagged:  # a fault that began mid-run barely moves the whole series' median
         change = significant_onset(per_iteration, iteration_noise, z_rank, min_slowdown, best=best_onset)
         if change is not None and onset_pool is not None and chance_of_late_run(
-                onset_pool, per_iteration[change[2]:] - np.median(per_iteration[:change[2]]),
-                onset_tests) >= JOB_FALSE_ALARM:
+                onset_pool, per_iteration[change[2]:] - np.median(per_iteration[:change[2]]), onset_tests,
+                baseline_errors.at(change[2], rank) if baseline_errors is not None else None,
+                own=per_iteration - median) >= JOB_FALSE_ALARM / COMPUTE_MEASURES:
             change = None
         if change is not None and (own is None or own_share_of_onset(
                 own, change, host_shift(neighbours, int(iterations_of[change[2]]))) >= MIN_OWN_SHARE):
@@ -326,6 +331,25 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
                           z=float(z), flagged=flagged, worst_ops=worst_ops, onset_iteration=onset,
                           series=np.asarray(per_iteration, dtype=np.float64),
                           series_iterations=np.asarray(iterations_of, dtype=np.int64), series_noise=iteration_noise)
+
+
+class BaselineErrors:
+    """Per split, how far each compared rank's median before the split falls from its whole
+    series' median: the error of an onset's baseline as chance spreads it over ranks (see
+    multiplicity.chance_of_late_run). Computed for a split only when an onset there is judged."""
+
+    def __init__(self, ranks: list[int], series: list[np.ndarray], medians: list[float]) -> None:
+        self.ranks, self.series, self.medians = ranks, series, np.asarray(medians, dtype=np.float64)
+        self.cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def at(self, split: int, rank: int) -> np.ndarray:
+        """The errors at `split` of every rank but `rank` (the judged one)."""
+        if split not in self.cache:
+            longer = [i for i, r in enumerate(self.series) if len(r) > split]
+            before = row_medians([self.series[i][:split] for i in longer])
+            self.cache[split] = (np.asarray([self.ranks[i] for i in longer]), before - self.medians[longer])
+        ranks, errors = self.cache[split]
+        return errors[ranks != rank]
 
 
 # Ranks compared before the spread of their medians is a measure of what healthy ranks differ by.

@@ -4,7 +4,9 @@ controlled per job, not per rank, and the compute floor that noise allows.
 Each analyzer compares every rank (or link) with its peers; a test that wrongly names a healthy
 rank once in 1,000 names four of them in every healthy 4,096-rank job. The bar of a job of n
 comparisons is the one-sided normal quantile of JOB_FALSE_ALARM / n (Bonferroni), never below
-the analyzer's own bar, which was tuned on jobs of 4-16 ranks and is what small jobs keep."""
+the analyzer's own bar, which was tuned on jobs of 4-16 ranks and is what small jobs keep. Where
+one analyzer asks several questions of every rank (compute: its busy total, its typical call and
+an onset), each question's bar is set for its share of the job's budget (COMPUTE_MEASURES)."""
 from __future__ import annotations
 
 from statistics import NormalDist
@@ -14,6 +16,10 @@ import numpy as np
 # Share of healthy jobs, at any size, in which an analyzer may name somebody by chance alone
 # (under its noise model: robust spreads of per-iteration ratios, normal tails).
 JOB_FALSE_ALARM = 0.01
+# The compute analyzer asks three questions of each rank (busy total, typical call, onset); each
+# gets a third of the budget. With one each, 100 healthy 4,096-rank synthetic jobs named a rank in
+# 5 (offline): one by its total, one by its typical call, three by onsets.
+COMPUTE_MEASURES = 3
 
 
 def job_threshold(base: float, tests: int, *, false_alarm: float = JOB_FALSE_ALARM) -> float:
@@ -46,14 +52,33 @@ def compute_floor(iteration_noise: float, *, ceiling: float = FLOOR_MAX) -> floa
     return min(ceiling, FLOOR_MIN + share * (FLOOR_MAX - FLOOR_MIN))
 
 
-def chance_of_late_run(pool: np.ndarray, later: np.ndarray, tests: int) -> float:
+def chance_of_late_run(pool: np.ndarray, later: np.ndarray, tests: int,
+                       baseline_errors: np.ndarray | None = None, own: np.ndarray | None = None) -> float:
     """How likely, in a job of `tests` (rank, split) comparisons, some rank's series ends in a run
-    as high as `later` by chance: the share q of all ranks' values (each less its own median:
-    `pool`) at least as high as the run's lowest value, to the power of the run's length, times
-    the tests. Nonparametric: heavy-tailed iterations (a GPU's rare slow step, a host's stall)
-    make q larger and a short run at the end of the window no longer an onset, where a normal
-    model of the noise would call two outlying iterations a fault that began."""
-    if not len(pool) or not len(later):
+    as high as `later` (each value less the rank's baseline, the median before the split) by
+    chance: the share q of all ranks' values (each less its own median: `pool`) at least as high
+    as the run's lowest value, to the power of the run's length, times the tests. Nonparametric:
+    heavy-tailed iterations (a GPU's rare slow step, a host's stall) make q larger and a short run
+    at the end of the window no longer an onset, where a normal model of the noise would call two
+    outlying iterations a fault that began.
+
+    The run's values share one baseline, the median of a few iterations, so they are not
+    independent: a baseline that fell low by chance lifts all of them at once. `baseline_errors`
+    (the other ranks' medians before the same split less their whole medians) is that baseline's
+    error as it falls across ranks; the chance is then the mean over those errors e of q(lowest +
+    e) to the run's length. Without it, q^k counted runs after a low baseline as rarer than they
+    are, and 3 of 100 healthy 4,096-rank jobs named an onset. `own`: the judged rank's values in
+    `pool`, left out of it: a run is no evidence of how common runs are (in a stage of two ranks,
+    its own four slow iterations made q at least 4 in 24)."""
+    ordered = np.sort(pool)
+    own = np.sort(own) if own is not None else np.zeros(0)
+    size = len(ordered) - len(own)
+    if size <= 0 or not len(later):
         return 1.0
-    q = max(float(np.mean(pool >= float(np.min(later)))), 1.0 / len(pool))
-    return tests * q ** len(later)
+    lowest = float(np.min(later))
+    thresholds = lowest + (np.asarray(baseline_errors, dtype=np.float64)
+                           if baseline_errors is not None and len(baseline_errors) else np.zeros(1))
+    above = ((len(ordered) - np.searchsorted(ordered, thresholds, side="left"))
+             - (len(own) - np.searchsorted(own, thresholds, side="left")))
+    q = np.maximum(above / size, 1.0 / size)
+    return tests * float(np.mean(q ** len(later)))
