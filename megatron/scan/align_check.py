@@ -198,23 +198,19 @@ class Causality:
             group_instance, group_domain = self.instance[first], self.domain[first]
             group_window = c["window"][self.coll][first]
             _, at, hosts = np.unique(group_instance, return_index=True, return_counts=True)
-            hosts_of = np.repeat(hosts, hosts)
-            keep = (hosts_of >= 2) & (hosts_of <= MAX_HOSTS)
-            left = np.repeat(np.flatnonzero(keep), hosts_of[keep])
-            block = np.repeat(np.cumsum(hosts_of[keep]) - hosts_of[keep], hosts_of[keep])
-            right = np.repeat(np.repeat(at, hosts)[keep], hosts_of[keep]) + np.arange(len(left)) - block
-            parts.append((group_window[left], group_domain[left], group_domain[right],
-                          earliest_end[right] - latest_start[left]))
+            for count in np.unique(hosts[(hosts >= 2) & (hosts <= MAX_HOSTS)]).tolist():
+                parts.extend(_pair_bounds(at[hosts == count][:, None] + np.arange(count)[None, :], group_domain,
+                                          group_window, latest_start, earliest_end))
         window, a, b, bound = (np.concatenate([p[i] for p in parts]).astype(np.int64) for i in range(4))
         other = a != b
         window, a, b, bound = window[other], a[other], b[other], bound[other]
         if not len(a):
             return window, a, b, bound / 1e3
-        order = np.lexsort((bound, b, a, window))
+        order = np.lexsort((b, a, window))
         window, a, b, bound = window[order], a[order], b[order], bound[order]
         first = np.flatnonzero(np.concatenate([[True], (window[1:] != window[:-1]) | (a[1:] != a[:-1])
                                                | (b[1:] != b[:-1])]))
-        return window[first], a[first], b[first], bound[first] / 1e3
+        return window[first], a[first], b[first], np.minimum.reduceat(bound, first) / 1e3
 
     def respect(self, corrections: dict[tuple[int, int], tuple[float, float]], references: set[tuple[int, int]],
                 shift: Callable[[np.ndarray, np.ndarray], np.ndarray], labels: list[str], windows: set[int],
@@ -300,6 +296,28 @@ class Causality:
                 notes.append(f"window {window}: contradictory times between hosts "
                              + ", ".join(f"{labels[i]} and {labels[j]}" for i, j in sorted(broken)))
         return notes
+
+
+def _pair_bounds(groups: np.ndarray, domain: np.ndarray, window: np.ndarray, latest_start: np.ndarray,
+                 earliest_end: np.ndarray) -> list[tuple[np.ndarray, ...]]:
+    """The collective bounds of instances with one host count: `groups` [instances, hosts] indexes
+    their (instance, host) groups. Per ordered pair of hosts, a bound is the least over instances
+    of one host's earliest finish less the other's latest start; instances with the same hosts
+    and windows (a TP group's thousands of all-reduces) give one bound per pair, taken as a
+    minimum over the instances, so no pair list grows with the iterations."""
+    hosts = groups.shape[1]
+    keys = np.concatenate([domain[groups], window[groups]], axis=1)
+    order = np.lexsort(keys.T[::-1])
+    groups, keys = groups[order], keys[order]
+    first = np.flatnonzero(np.concatenate([[True], (keys[1:] != keys[:-1]).any(axis=1)]))
+    end, start = earliest_end[groups], latest_start[groups]
+    sets_domain, sets_window = keys[first, :hosts], keys[first, hosts:]
+    parts = []
+    for i in range(hosts):
+        least = np.minimum.reduceat(end - start[:, i:i + 1], first, axis=0)  # [sets, hosts]: to each host b
+        parts.append((np.repeat(sets_window[:, i], hosts), np.repeat(sets_domain[:, i], hosts),
+                      sets_domain.ravel(), least.ravel()))
+    return parts
 
 
 def _middle(x: np.ndarray, pairs: list[tuple[int, int, float, float]], fixed: np.ndarray) -> np.ndarray:

@@ -92,8 +92,7 @@ def match_p2p(trace: GlobalTrace) -> P2PLinks:
     if len(send_rows) == 0 or len(recv_rows) == 0:
         return P2PLinks(send_rows=np.zeros(0, np.int64), recv_rows=np.zeros(0, np.int64),
                         unmatched_sends=send_rows, unmatched_recvs=recv_rows)
-    _, inverse = np.unique(np.concatenate([send_keys, recv_keys]), axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
+    inverse = _row_ids(np.concatenate([send_keys, recv_keys]))
     send_id, recv_id = inverse[:len(send_rows)], inverse[len(send_rows):]
     slot = np.full(inverse.max() + 1, -1, dtype=np.int64)
     slot[send_id] = np.arange(len(send_rows))
@@ -103,3 +102,15 @@ def match_p2p(trace: GlobalTrace) -> P2PLinks:
     linked_sends[partner[matched]] = True
     return P2PLinks(send_rows=send_rows[partner[matched]], recv_rows=recv_rows[matched],
                     unmatched_sends=send_rows[~linked_sends], unmatched_recvs=recv_rows[~matched])
+
+
+def _row_ids(keys: np.ndarray) -> np.ndarray:
+    """Per row of `keys` [rows, columns], an id equal for equal rows (ranks of the distinct rows in
+    lexicographic order, as np.unique(axis=0) numbers them): a lexsort of integer columns, where
+    np.unique sorts the rows as opaque records, several times slower at millions of messages."""
+    order = np.lexsort(keys.T[::-1])
+    ordered = keys[order]
+    new = np.concatenate([[True], (ordered[1:] != ordered[:-1]).any(axis=1)])
+    ids = np.empty(len(keys), dtype=np.int64)
+    ids[order] = np.cumsum(new) - 1
+    return ids
