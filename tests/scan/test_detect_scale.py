@@ -19,6 +19,7 @@ from megatron.scan.detect.model import busy_compute, unique_rows
 from megatron.scan.detect.multiplicity import (
     COMPUTE_MEASURES,
     JOB_FALSE_ALARM,
+    MedianNull,
     chance_of_late_run,
     compute_floor,
     job_threshold,
@@ -79,6 +80,30 @@ def test_a_run_after_a_baseline_that_fell_low_by_chance_is_not_rare():
     assert chance_of_late_run(pool, later, tests, np.zeros(100)) == pytest.approx(independent)
     # A fault that began: ten iterations 1.35x, each past nearly every healthy value.
     assert chance_of_late_run(pool, np.full(10, 0.25), tests, errors) < JOB_FALSE_ALARM / COMPUTE_MEASURES
+
+
+def test_a_median_lifted_by_tail_iterations_is_chance_and_a_burst_in_half_of_them_is_not():
+    rng = np.random.default_rng(2)
+    ranks, n = 4096, 20
+    series = rng.normal(0, 0.034, (ranks, n)) + rng.normal(0, 0.01, (ranks, 1))  # noise + device spread
+    tails = rng.random(series.shape) < 0.07  # 7% of iterations 1.15x-2x
+    series[tails] += rng.uniform(np.log(1.15), np.log(2.0), tails.sum())
+    medians = np.median(series, axis=1)
+    spread = 1.4826 * np.median(np.abs(medians - np.median(medians)))
+    null = MedianNull((series - medians[:, None]).ravel(), spread, n)
+    budget, tests = JOB_FALSE_ALARM / COMPUTE_MEASURES, ranks * COMPUTE_MEASURES
+    # A healthy rank of a synthetic 4,096-rank job: a few tail iterations of twenty lift its median
+    # to 1.07x, 4.8 spreads in its job, past the normal bar on the spread, which named it.
+    lifted = np.log([1.002, 1.08, 1.04, 1.06, 1.088, 1.108, 0.99, 1.577, 0.985, 1.542, 1.356, 0.995, 1.141,
+                     0.995, 1.08, 0.987, 1.009, 1.868, 1.082, 1.007])
+    assert np.median(lifted) / spread > 4.5  # about the bar of 4,096 ranks (4.79)
+    assert null.chance(float(np.median(lifted)), n, tests, own=lifted - np.median(lifted)) > budget
+    # A rank 1.5x slow in half its iterations (a burst): ten such values are not chance.
+    burst = np.r_[np.zeros(10), np.full(10, np.log(1.5))]
+    assert null.chance(float(np.median(burst)), n, tests, own=burst - np.median(burst)) < budget
+    # Nor is a device 1.15x slower in every iteration.
+    slow = np.full(n, np.log(1.15)) + rng.normal(0, 0.034, n)
+    assert null.chance(float(np.median(slow)), n, tests, own=slow - np.median(slow)) < budget
 
 
 @pytest.mark.parametrize("seed", [2070714045, 1169389137])

@@ -108,8 +108,10 @@ def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival
                             f"every call, as a slower device is; its busy total read "
                             f"{_busy_total_ratio(finding):.2f}x")
         elif finding is not None and finding.method == "peers":
+            odds = (f", a median this high by chance {finding.chance:.1g} per job" if finding.chance == finding.chance
+                    else "")
             evidence.append(f"compute {finding.slowdown:.2f}x its peers {peer_list(finding.peers)} (median over "
-                            f"{finding.iterations} iterations of the busy total, {finding.z:.1f} standard errors, "
+                            f"{finding.iterations} iterations of the busy total, {finding.z:.1f} standard errors{odds}, "
                             f"slower in {finding.slower_iterations} of {finding.iterations}; median task "
                             f"{finding.task_slowdown:.2f}x, {finding.slow_instances} of {finding.instances} tasks "
                             f"individually slow)")

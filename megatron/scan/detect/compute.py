@@ -12,6 +12,7 @@ from megatron.scan.detect.multiplicity import (
     COMPUTE_MEASURES,
     FLOOR_MAX,
     JOB_FALSE_ALARM,
+    MedianNull,
     chance_of_late_run,
     compute_floor,
     job_threshold,
@@ -30,6 +31,11 @@ from megatron.scan.speed import log_ratio_to_peers
 _MAD = 1.4826  # MAD -> standard deviation for normal noise
 # Standard errors a rank's median per-iteration ratio to its peers must stand above zero to be named.
 Z_RANK = 3.5
+# Iterations an onset needs after it: two tail iterations ending a window (9.1x and 3.5x) read as a
+# fault that began in a healthy 64-rank synthetic job, and no test of two values tells them apart
+# where tails are heavy. Online detection, analyzing again as iterations come, names a fault that
+# began in the last two once it has run a third.
+MIN_RUN = 3
 
 
 @dataclass(kw_only=True)
@@ -45,6 +51,9 @@ class ComputeFinding:
     task_slowdown: float  # median over task instances of busy / peers' busy
     z: float  # median log ratio in standard errors
     flagged: bool
+    # Among many ranks: the chance, in the job, of a healthy rank's busy-total median this high
+    # (multiplicity.MedianNull), which then judges the total; nan where the normal bar did.
+    chance: float = float("nan")
     onset_iteration: int | None = None
     worst_ops: list[dict] = field(default_factory=list)
     # What named it: "total" (the busy total per iteration, which bursts move) or "typical" (the
@@ -168,6 +177,9 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
     onset_tests = sum(max(len(r) - 4, 1) for r, *_ in compared.values())
     baseline_errors = BaselineErrors(list(compared), [r for r, *_ in compared.values()], list(series_median.values()))
     between = between_rank_spread([r for r, *_ in compared.values()], [r for _, r in typical.values()])
+    lengths = [len(r) for r, *_ in compared.values() if len(r)]
+    median_null = (MedianNull(onset_pool, between[0], int(np.median(lengths)))
+                   if between is not None and lengths else None)
     best_onsets: dict[int, tuple[float, float, int] | None] = {}
     by_length: dict[int, list[int]] = {}
     for rank, (series, *_) in compared.items():
@@ -175,7 +187,7 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
     for length, ranks_of_length in by_length.items():
         if length:
             best_onsets.update(zip(ranks_of_length, onset_shifts(
-                np.stack([compared[r][0] for r in ranks_of_length]), iteration_noise)))
+                np.stack([compared[r][0] for r in ranks_of_length]), iteration_noise, min_after=MIN_RUN)))
     host_of = {int(rank): data.roles[int(rank)].host if int(rank) in data.roles else ""
                for rank in np.unique(t["rank"])}
     on_host: dict[str, list[int]] = {}
@@ -191,7 +203,8 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
                                   typical=typical.get(rank), typical_noise=typical_noise,
                                   onset_pool=onset_pool, onset_tests=onset_tests, baseline_errors=baseline_errors,
                                   best_onset=best_onsets.get(rank, False), between=between,
-                                  median=series_median[rank])
+                                  median=series_median[rank], median_null=median_null,
+                                  tests=len(data.world) * COMPUTE_MEASURES)
     # Ranks with no same-stage peer (PP-only layouts): with per-layer spans, every transformer
     # layer of any stage runs the same kernels, so ranks of one TP index compare layer by layer.
     lonely = [r for r in data.world if r not in findings]
@@ -276,7 +289,8 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
              typical_noise: float = float("nan"), onset_pool: np.ndarray | None = None,
              onset_tests: int = 1, baseline_errors: BaselineErrors | None = None,
              best_onset: tuple[float, float, int] | None | bool = False,
-             between: tuple[float, float] | None = None, median: float | None = None) -> ComputeFinding:
+             between: tuple[float, float] | None = None, median: float | None = None,
+             median_null: MedianNull | None = None, tests: int = 1) -> ComputeFinding:
     """`per_iteration`: the rank's log ratio to its peers per iteration; `own`: its own log busy
     per iteration (same order), which an onset must show beyond what the other ranks of its host
     show at the same iteration (`neighbours`: their (iterations, own log busy); see
@@ -284,14 +298,23 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
     judged by the same tests with its own noise when the totals name nothing. An onset must also
     be unlikely as a run of chance iterations among all ranks' (`onset_pool`, `onset_tests`,
     `baseline_errors`: multiplicity.chance_of_late_run), within its share of the job's false-alarm
-    budget. `median`: np.median(per_iteration), when known."""
+    budget. `median`: np.median(per_iteration), when known. With `median_null` (many ranks), the
+    busy total is judged by the chance of a median this high in a job of `tests` comparisons:
+    heavy-tailed iterations make a high median likelier than the ranks' spread says, and a rank
+    slow in half its iterations (a burst) stands out by how many, where its median's z or its
+    share of slower iterations does not."""
     median = float(np.median(per_iteration)) if median is None else float(median)
     z = median / (1.2533 * iteration_noise / np.sqrt(len(per_iteration)))
     consistent = bool(np.mean(per_iteration > 0) >= min_consistency) if len(per_iteration) >= 4 else True
     # Among many ranks, also against how far healthy ranks' medians spread (`between`, see
     # between_rank_spread): persistent differences of healthy devices are not iteration noise.
     apart = between is None or median > z_rank * between[0]
-    flagged = bool(z > z_rank and np.exp(median) >= min_slowdown and consistent and apart)
+    chance = float("nan")
+    if median_null is not None:
+        chance = median_null.chance(median, len(per_iteration), tests, own=per_iteration - median)
+        flagged = bool(chance < JOB_FALSE_ALARM / COMPUTE_MEASURES and np.exp(median) >= min_slowdown)
+    else:
+        flagged = bool(z > z_rank and np.exp(median) >= min_slowdown and consistent and apart)
     measure = "total"
     typical_slowdown, typical_z, typical_slower = float("nan"), float("nan"), 0
     if typical is not None and len(typical[1]):
@@ -328,7 +351,7 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
                           slowdown=float(np.exp(median)), measure=measure, typical_slowdown=typical_slowdown,
                           typical_z=float(typical_z), typical_slower_iterations=typical_slower,
                           task_slowdown=float(np.exp(np.median(instance_ratio))) if len(instance_ratio) else 1.0,
-                          z=float(z), flagged=flagged, worst_ops=worst_ops, onset_iteration=onset,
+                          z=float(z), flagged=flagged, chance=chance, worst_ops=worst_ops, onset_iteration=onset,
                           series=np.asarray(per_iteration, dtype=np.float64),
                           series_iterations=np.asarray(iterations_of, dtype=np.int64), series_noise=iteration_noise)
 

@@ -9,6 +9,7 @@ one analyzer asks several questions of every rank (compute: its busy total, its 
 an onset), each question's bar is set for its share of the job's budget (COMPUTE_MEASURES)."""
 from __future__ import annotations
 
+from math import lgamma
 from statistics import NormalDist
 
 import numpy as np
@@ -82,3 +83,64 @@ def chance_of_late_run(pool: np.ndarray, later: np.ndarray, tests: int,
              - (len(own) - np.searchsorted(own, thresholds, side="left")))
     q = np.maximum(above / size, 1.0 / size)
     return tests * float(np.mean(q ** len(later)))
+
+
+def _binomial_tail(count: int, n: int, q: np.ndarray) -> np.ndarray:
+    """P(Binomial(n, q) >= count), elementwise over q (a sum of at most n terms, in logs)."""
+    q = np.clip(np.asarray(q, dtype=np.float64), 1e-300, 1.0 - 1e-16)
+    total = np.zeros_like(q)
+    for i in range(max(count, 0), n + 1):
+        total += np.exp(lgamma(n + 1) - lgamma(i + 1) - lgamma(n - i + 1) + i * np.log(q) + (n - i) * np.log1p(-q))
+    return np.minimum(total, 1.0)
+
+
+# Grid of a rank's persistent level (in its standard deviations) the chance of a median averages
+# over, with normal weights.
+_LEVELS = np.linspace(-5.0, 5.0, 81)
+_LEVEL_WEIGHTS = np.exp(-0.5 * _LEVELS ** 2) / np.exp(-0.5 * _LEVELS ** 2).sum()
+
+
+class MedianNull:
+    """How high a healthy rank's median per-iteration ratio stands by chance, among many ranks.
+
+    A rank's ratio in an iteration is its persistent level (healthy devices differ by a few per
+    cent) plus that iteration's noise, whose tail is heavy: the recorded H100 run had 7% of its
+    steps 1.15x or slower, and a rank that draws several such steps has its median lifted with
+    them. The iterations' noise is `pool` (every rank's values less its own median); the median
+    of n iterations is high when at least half of them are (a binomial count of the pool's
+    share above it); the persistent level is normal, with the part of the ranks' spread of
+    medians (`spread`: between_rank_spread) that the iterations' noise does not explain. The
+    normal model of the spread alone took tail-lifted medians for slow devices: healthy ranks
+    1.06-1.07x with 3-6 tail iterations of 20 were named at 4.8-5.3 spreads in 4,096-rank jobs."""
+
+    def __init__(self, pool: np.ndarray, spread: float, iterations: int) -> None:
+        self.pool = np.sort(np.asarray(pool, dtype=np.float64))
+        noise = self._median_spread(iterations)
+        self.persistent = float(np.sqrt(max(spread * spread - noise * noise, 0.0)))
+
+    def _share_above(self, x: np.ndarray, own: np.ndarray | None = None) -> np.ndarray:
+        """Share of the pool at or above each x; `own` (sorted): values left out of the pool."""
+        above = len(self.pool) - np.searchsorted(self.pool, x, side="left")
+        if own is None or not len(own):
+            return above / max(len(self.pool), 1)
+        above = above - (len(own) - np.searchsorted(own, x, side="left"))
+        return above / max(len(self.pool) - len(own), 1)
+
+    def _median_spread(self, n: int) -> float:
+        """Robust spread (quartiles / 1.349) of the median of n draws from the pool."""
+        if not len(self.pool) or n < 1:
+            return 0.0
+        grid = np.quantile(self.pool, np.linspace(0.0005, 0.9995, 801))
+        above = _binomial_tail((n + 1) // 2, n, self._share_above(grid))  # P(median >= x), falling
+        lower, upper = np.interp(0.75, above[::-1], grid[::-1]), np.interp(0.25, above[::-1], grid[::-1])
+        return float(upper - lower) / 1.349
+
+    def chance(self, median: float, n: int, tests: int, own: np.ndarray | None = None) -> float:
+        """Chance, in a job of `tests` comparisons, that some healthy rank's median of n
+        iterations stands at least `median` (upper middle value counted: conservative for even
+        n). `own`: the judged rank's values in the pool, left out (a burst is no evidence of how
+        common bursts are)."""
+        if not len(self.pool) or n < 1:
+            return 1.0
+        q = self._share_above(median - _LEVELS * self.persistent, None if own is None else np.sort(own))
+        return tests * float(np.sum(_LEVEL_WEIGHTS * _binomial_tail((n + 1) // 2, n, q)))
