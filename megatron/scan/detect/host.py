@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron.scan.detect.compute import series_noise
+from megatron.scan.detect.spread import series_noise
 from megatron.scan.detect.onset import significant_onset
 from megatron.scan.detect.model import DetectionInput
 from megatron.scan.speed import log_ratio_to_peers
