@@ -52,12 +52,14 @@ def test_external_throttle_mid_run_is_reported_during_the_run(tmp_path):
     # per-layer spans rank 0, starved while the fault tool started, was named in 2 of 10 runs
     # (coarse: 0 of 8; both under two background CPU hogs).
     scenario = Scenario(name="online", nproc=2, layout=["--pipeline-model-parallel-size", "2"], expected=[1],
-                        throttles=[Throttle(rank=1, fraction=0.15, onset=3)], iterations=14,
+                        throttles=[Throttle(rank=1, fraction=0.15, onset=3)], iterations=18,
                         extra=["--online-detect"])
     result = run(scenario, tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
-    applied = result.onset_iteration()  # the fault CLI takes about a second to start
-    assert applied is not None and applied <= 11, result.stdout[-3000:]
+    # The fault CLI takes up to a second to start: at 55-65 ms per iteration it took hold at
+    # iteration 13 in 3 of 9 runs here, so the run goes on for five iterations after that.
+    applied = result.onset_iteration()
+    assert applied is not None and applied <= 13, result.stdout[-3000:]
     alerts = [(int(last), int(rank)) for _, last, rank in ALERT.findall(result.stdout)]
     named = [last for last, rank in alerts if rank == 1 and last >= applied]
     assert named, (applied, alerts, result.stdout[-3000:])
