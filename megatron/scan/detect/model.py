@@ -59,6 +59,12 @@ class DetectionInput:
     # megatron.scan.detect.summary): {"stats": collective.STAT_COLUMNS table, "late":
     # collective.LATE_COLUMNS table, "instances": count}; None when every instance is in `collectives`.
     arrivals: dict | None = None
+    # Per-node reductions of a large job (megatron.scan.detect.reference, summary): each rank's
+    # compute comparison (compute.reduce_compute) and each P2P link's (p2p.reduce_links), made on
+    # the ranks' nodes; `compute`, `layers` and `p2p` then hold the reference ranks' rows only
+    # (P2P: the messages they received). None: every rank's rows are here.
+    compute_stats: dict | None = None
+    link_stats: dict | None = None
 
     @property
     def world(self) -> list[int]:
