@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron.scan.detect import detect  # noqa: E402
 from megatron.scan.detect.host import host_starvation  # noqa: E402
 from megatron.scan.detect.online import MIN_ITERATIONS, RECENT_ITERATIONS, Confirmation  # noqa: E402
-from megatron.scan.detect.summary import combine, node_summary, split_by_node, summary_bytes  # noqa: E402
+from megatron.scan.detect.summary import split_by_node, summarize_in_process  # noqa: E402
 from megatron.scan.synthetic_job import Fault, JobSpec, synthesize  # noqa: E402
 
 LAYOUTS = {64: (2, 4, 8), 256: (4, 4, 16), 1024: (8, 8, 16), 4096: (8, 8, 64), 16384: (8, 8, 256)}
@@ -49,14 +49,15 @@ SCENARIOS = ("slow_rank_1.1", "slow_rank_random", "slow_rank_mid_run", "slow_ran
              "slow_node", "slow_link", "hang")
 
 
-def job(size: int, index: int, seed: int, iterations: int, scenarios: tuple[str, ...] | None = None
-        ) -> tuple[JobSpec, str]:
+def job(size: int, index: int, seed: int, iterations: int, scenarios: tuple[str, ...] | None = None,
+        traced: int | None = None) -> tuple[JobSpec, str]:
     """The index-th job of a size: even indices healthy, odd ones a fault scenario in turn; with
-    `scenarios`, the index-th of them in turn ("healthy" or one of SCENARIOS)."""
+    `scenarios`, the index-th of them in turn ("healthy" or one of SCENARIOS). Faults are timed
+    by `iterations`; the job runs `traced` iterations (default: as many)."""
     tp, pp, dp = LAYOUTS[size]
     rng = np.random.default_rng([seed, size, index])
     world = tp * pp * dp
-    base = JobSpec(tp=tp, pp=pp, dp=dp, ranks_per_node=RANKS_PER_NODE, iterations=iterations,
+    base = JobSpec(tp=tp, pp=pp, dp=dp, ranks_per_node=RANKS_PER_NODE, iterations=max(iterations, traced or 0),
                    seed=int(rng.integers(2**31)))
     if scenarios:
         scenario = scenarios[index % len(scenarios)]
@@ -127,10 +128,11 @@ def until(data, end: int):
 
 
 def run_job(arguments: tuple) -> dict:
-    size, index, seed, iterations, online_window, check, paths, scenarios = arguments
-    spec, scenario = job(size, index, seed, iterations, scenarios)
+    size, index, seed, iterations, online_window, check, paths, scenarios, online_iterations = arguments
+    spec, scenario = job(size, index, seed, iterations, scenarios, traced=online_iterations)
     started = time.perf_counter()
-    data, truth = synthesize(spec)
+    whole, truth = synthesize(spec)
+    data = until(whole, iterations) if online_iterations > iterations else whole
     synthesized = time.perf_counter() - started
     result = {"size": size, "index": index, "scenario": scenario, "synthesize_s": synthesized}
     result["summary_bytes"] = 0
@@ -142,35 +144,39 @@ def run_job(arguments: tuple) -> dict:
     if "per_node" in paths or check:
         _per_node(data, truth, scenario, result, offline if check else None)
     if "online" in paths:
-        _online(data, truth, scenario, iterations, online_window, result)
+        _online(whole, truth, scenario, online_iterations, online_window, result)
     result["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
 
 
 def _per_node(data, truth, scenario: str, result: dict, offline) -> None:
-    # Per node: every node's summary (timed: the slowest is the job's), then rank 0's combine + detect.
-    slowest, summaries, sizes = 0.0, [], []
-    for part in split_by_node(data, RANKS_PER_NODE):
-        started = time.perf_counter()
-        summaries.append(node_summary(part))
-        slowest = max(slowest, time.perf_counter() - started)
-        sizes.append(summary_bytes(summaries[-1]))
+    # Per node: the three rounds (each round's slowest node is the job's time for it), rank 0's
+    # work between and after them, then rank 0's analysis.
+    combined, cost = summarize_in_process(split_by_node(data, RANKS_PER_NODE))
     started = time.perf_counter()
-    combined = combine(summaries)
     per_node = detect(combined)
-    result["per_node_s"] = time.perf_counter() - started + slowest
-    result["node_summary_s"] = slowest
-    result["summary_bytes"] = int(np.median(sizes))
+    result["per_node_s"] = time.perf_counter() - started + cost["nodes_s"] + cost["rank0_s"]
+    result["node_summary_s"] = cost["nodes_s"]
+    result["rank0_s"] = time.perf_counter() - started + cost["rank0_s"]
+    result["summary_bytes"] = cost["bytes"]
+    result["rank0_rows"] = _rows(combined)
+    result["job_rows"] = _rows(data)
     result["per_node"] = judge(per_node, truth, scenario)
     if offline is not None:
         result["same_names"] = ([(s.kind, s.ranks) for s in offline.suspects]
                                 == [(s.kind, s.ranks) for s in per_node.suspects])
 
 
+def _rows(data) -> int:
+    """Table rows an input holds (what the analyzers read)."""
+    return sum(len(getattr(data, name)["rank" if name != "p2p" else "dst"])
+               for name in ("compute", "layers", "p2p", "collectives", "iteration_time", "host"))
+
+
 def _online(data, truth, scenario: str, iterations: int, online_window: int, result: dict) -> None:
     # Online: an analysis of everything traced so far at the end of each window, from
     # MIN_ITERATIONS on, with its confirmation across analyses (as OnlineDetector runs them).
-    confirm, reported, slowest = Confirmation(), {}, 0.0
+    confirm, reported, slowest, named_by = Confirmation(), {}, 0.0, {}
     for end in range(online_window, iterations + 1, online_window):
         if end < MIN_ITERATIONS:
             continue
@@ -180,7 +186,10 @@ def _online(data, truth, scenario: str, iterations: int, online_window: int, res
         alerts = [{"kind": s.kind, "ranks": s.ranks, "named_by": s.named_by, "suspect": s} for s in analysis.suspects]
         for alert in confirm(alerts)[0]:
             reported.setdefault((alert["kind"], tuple(alert["ranks"])), alert["suspect"])
+        named_by[end] = judge(SimpleNamespace(suspects=list(reported.values()), verdict=""), truth, scenario)
     result["online_s"] = slowest
+    # What had been reported by the end of each window: when the fault was named, when a healthy job first named anyone.
+    result["online_by"] = {end: (j["found"], bool(j["names"])) for end, j in named_by.items()}
     result["online"] = judge(SimpleNamespace(suspects=list(reported.values()), verdict=""), truth, scenario)
 
 
@@ -232,12 +241,48 @@ def per_scenario(results: list[dict], sizes: list[int]) -> str:
     return "\n".join(lines)
 
 
+def per_node_cost(results: list[dict], sizes: list[int]) -> str:
+    """What the per-node path costs rank 0 against the job's size (medians over jobs)."""
+    lines = ["| ranks | nodes | rank 0 s (plan, combine, analysis) | slowest node s (3 rounds) | KB one node sends "
+             "(most) | rows rank 0 reads | rows of the whole job |", "|---|---|---|---|---|---|---|"]
+    for size in sizes:
+        mine = [r for r in results if r["size"] == size and "rank0_s" in r]
+        if mine:
+            lines.append(f"| {size} | {size // RANKS_PER_NODE} | {statistics.median(r['rank0_s'] for r in mine):.2f} | "
+                         f"{statistics.median(r['node_summary_s'] for r in mine):.3f} | "
+                         f"{max(r['summary_bytes'] for r in mine) / 1024:.0f} | "
+                         f"{statistics.median(r['rank0_rows'] for r in mine):,.0f} | "
+                         f"{statistics.median(r['job_rows'] for r in mine):,.0f} |")
+    return "\n".join(lines)
+
+
+def online_by(results: list[dict], sizes: list[int]) -> str:
+    """Online: by the end of each window, the faulty jobs whose fault had been reported and the
+    healthy jobs that had named anyone."""
+    ends = sorted({int(e) for r in results for e in r.get("online_by", {})})
+    lines = ["| ranks | scenario | " + " | ".join(f"by iteration {e}" for e in ends) + " |",
+             "|---|---|" + "---|" * len(ends)]
+    for size in sizes:
+        for scenario in ("healthy", *SCENARIOS):
+            mine = [r for r in results if r["size"] == size and r["scenario"] == scenario]
+            if mine:
+                column = 1 if scenario == "healthy" else 0  # healthy: named anyone; faulty: the fault found
+                lines.append(f"| {size} | {scenario}{' (named anyone)' if column else ''} | " + " | ".join(
+                    f"{sum(bool(r['online_by'][e][column]) for r in mine if e in r['online_by'])}/{len(mine)}"
+                    for e in ends) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="64,256,1024,4096",
                         help="job sizes in ranks, comma-separated, of 64, 256, 1024, 4096, 16384 (default %(default)s)")
     parser.add_argument("--jobs", type=int, default=100, help="synthetic jobs per size, half healthy (default %(default)s)")
     parser.add_argument("--iterations", type=int, default=20, help="traced iterations per job (default %(default)s)")
+    parser.add_argument("--online-iterations", type=int, default=None,
+                        help="iterations the online path watches (default: --iterations); the job runs this long, "
+                             "its faults timed as for --iterations, and the offline and per-node paths analyze its "
+                             "first --iterations")
     parser.add_argument("--online-window", type=int, default=5,
                         help="iterations per trace window: online detection analyzes everything traced so far at "
                              "the end of each (default %(default)s)")
@@ -268,8 +313,9 @@ def main() -> int:
     results: list[dict] = []
     started = time.perf_counter()
     for size in sizes:
-        work = [(size, i, args.seed, args.iterations, args.online_window, args.check_summaries, paths, scenarios)
-                for i in range(args.jobs)]
+        online_iterations = max(args.online_iterations or args.iterations, args.iterations)
+        work = [(size, i, args.seed, args.iterations, args.online_window, args.check_summaries, paths, scenarios,
+                 online_iterations) for i in range(args.jobs)]
         # A fresh pool per size, so that a worker's peak memory is that size's.
         with multiprocessing.get_context("spawn").Pool(args.workers, maxtasksperchild=None) as pool:
             for done, result in enumerate(pool.imap_unordered(run_job, work), 1):
@@ -280,6 +326,12 @@ def main() -> int:
     print(table(results, sizes))
     print()
     print(per_scenario(results, sizes))
+    if "per_node" in paths:
+        print()
+        print(per_node_cost(results, sizes))
+    if "online" in paths:
+        print()
+        print(online_by(results, sizes))
     if args.check_summaries:
         for size in sizes:
             mine = [r for r in results if r["size"] == size]

@@ -25,7 +25,8 @@ from megatron.scan.detect.multiplicity import (
     job_threshold,
 )
 from megatron.scan.detect.report import suspect_ranks, text_report
-from megatron.scan.detect.summary import combine, merge, node_summary, restrict, split_by_node
+from megatron.scan.detect import reference
+from megatron.scan.detect.summary import merge, restrict, split_by_node, summarize_in_process
 from megatron.scan.detect.typical import group_median
 from megatron.scan.speed import peer_median
 from megatron.scan.synthetic_job import Fault, JobSpec, synthesize
@@ -154,19 +155,37 @@ def test_two_slow_ranks_on_one_node_stay_ranks():
     assert sorted(names(detect(data))) == [("rank", [17]), ("rank", [20])]
 
 
+@pytest.mark.parametrize("peers", [None, 8])
 @pytest.mark.parametrize("faults", [(), (Fault("slow_rank", ranks=(37,), factor=1.3),),
                                     (Fault("slow_node", node=1, factor=1.25),),
                                     (Fault("slow_link", ranks=(33, 65), factor=30.0),)])
-def test_per_node_summaries_name_what_the_full_analysis_names(faults):
+def test_per_node_summaries_name_what_the_full_analysis_names(faults, peers, monkeypatch):
+    """peers=8: stages of 32 ranks compared with 8 reference ranks each (what a stage of more than
+    REFERENCE_PEERS ranks gets): the nodes compare the other ranks, rank 0 holds 8 ranks' rows."""
+    if peers is not None:
+        monkeypatch.setattr(reference, "REFERENCE_PEERS", peers)
     data, _ = synthesize(JobSpec(tp=2, pp=4, dp=16, seed=7, faults=faults))
     full = detect(data)
     parts = split_by_node(data, 8)
-    summaries = [node_summary(part) for part in parts]
-    combined = combine(summaries)
+    combined, cost = summarize_in_process(parts)
     # Rank 0 gets the cross-node collective rows only: the TP instances were resolved on the nodes.
     assert len(combined.collectives["instance"]) < len(data.collectives["instance"]) / 2
+    held = np.unique(combined.compute["rank"])
+    assert len(held) == (4 * peers if peers else 128) and np.array_equal(np.unique(combined.p2p["dst"]),
+                                                                           np.intersect1d(held, data.p2p["dst"]))
     per_node = detect(combined)
     assert names(per_node) == names(full)
+    assert per_node.verdict == full.verdict
+    for rank, finding in full.compute.findings.items():
+        other = per_node.compute.findings[rank]
+        for field in ("flagged", "slowdown", "z", "typical_slowdown", "typical_z", "instances", "slow_instances",
+                      "task_slowdown", "worst_ops", "onset_iteration", "chance"):
+            assert getattr(other, field) == getattr(finding, field) or (
+                getattr(other, field) != getattr(other, field) and getattr(finding, field) != getattr(finding, field)
+            ), (rank, field)
+    assert {k: (v.z, v.flagged) for k, v in per_node.pipeline.links.items()} == {
+        k: (v.z, v.flagged) for k, v in full.pipeline.links.items()}
+    assert per_node.pipeline.producer_wait_ms == pytest.approx(full.pipeline.producer_wait_ms)
     assert per_node.arrival.instances == full.arrival.instances
     for rank, finding in full.arrival.findings.items():
         other = per_node.arrival.findings[rank]
@@ -177,6 +196,20 @@ def test_per_node_summaries_name_what_the_full_analysis_names(faults):
     for name in ("compute", "collectives", "p2p", "iteration_time"):
         for column, values in getattr(data, name).items():
             assert np.array_equal(np.sort(getattr(again, name)[column]), np.sort(values)), (name, column)
+
+
+def test_a_sample_of_reference_ranks_still_names_the_slow_rank_and_nobody_else(monkeypatch):
+    """Stages of 32 ranks compared with 4 reference ranks: the slow rank is named whether or not
+    it is one of them, and a healthy job names nobody."""
+    monkeypatch.setattr(reference, "REFERENCE_PEERS", 4)
+    layout = {r: role for r, role in synthesize(JobSpec(tp=2, pp=4, dp=16, seed=3, iterations=2))[0].roles.items()}
+    chosen = reference.reference_ranks(layout)
+    assert len(chosen) == 16
+    others = [r for r in range(128) if r not in chosen and layout[r].pp == layout[int(chosen[1])].pp]
+    for slow in (int(chosen[1]), others[5]):
+        data, _ = synthesize(JobSpec(tp=2, pp=4, dp=16, seed=3, faults=(Fault("slow_rank", ranks=(slow,), factor=1.25),)))
+        assert names(detect(data)) == [("rank", [slow])]
+    assert names(detect(synthesize(JobSpec(tp=2, pp=4, dp=16, seed=3))[0])) == []
 
 
 def test_leave_one_out_medians_equal_the_median_of_the_others():
@@ -205,11 +238,12 @@ def test_packed_row_keys_group_as_numpy_unique_does():
 WORKER = textwrap.dedent("""
     import json, os, sys
     import torch.distributed as dist
-    from megatron.scan.detect import detect
+    from megatron.scan.detect import detect, reference
     from megatron.scan.detect.summary import node_groups, restrict, summarize_on_job
     from megatron.scan.synthetic_job import Fault, JobSpec, synthesize
 
     rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    reference.REFERENCE_PEERS = 2  # stages of 4 ranks, 2 of them the reference: the nodes compare the others
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     spec = JobSpec(tp=2, pp=2, dp=2, ranks_per_node=4, seed=11,
                    faults=(Fault("slow_rank", ranks=(5,), factor=1.5),))
@@ -230,8 +264,9 @@ WORKER = textwrap.dedent("""
 
 
 def test_summaries_gathered_over_torch_distributed_name_the_slow_rank(tmp_path):
-    """Eight gloo ranks as two nodes of four: each node's first rank gathers and summarizes its
-    ranks' tables, rank 0 gathers the summaries and combines them."""
+    """Eight gloo ranks as two nodes of four: each node's first rank gathers its ranks' tables,
+    then the nodes' first ranks run the three rounds (reports, the reference ranks' rows, their
+    ranks' statistics against rank 0's plan) and rank 0 combines them."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     store, out = tmp_path / "store", tmp_path / "names.json"

@@ -3,11 +3,12 @@ same shapes, so per iteration each rank's busy time is compared with its peers' 
 statistics on log time); ranks without peers are compared with their own earlier iterations."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from megatron.scan.detect.model import DetectionInput, unique_rows
+from megatron.scan.detect.compute_stats import Z_INSTANCE, compute_statistics
+from megatron.scan.detect.model import DetectionInput
 from megatron.scan.detect.multiplicity import (
     COMPUTE_MEASURES,
     FLOOR_MAX,
@@ -25,8 +26,9 @@ from megatron.scan.detect.onset import (
     own_share_of_onset,
     significant_onset,
 )
+from megatron.scan.detect.reference import reference_ranks
 from megatron.scan.detect.spread import BETWEEN_MIN_RANKS, BaselineErrors, between_rank_spread, series_noise
-from megatron.scan.detect.typical import group_median, row_medians, stage_typical, typical_ratios
+from megatron.scan.detect.typical import row_medians, typical_ratios
 from megatron.scan.speed import log_ratio_to_peers
 
 _MAD = 1.4826  # MAD -> standard deviation for normal noise
@@ -95,18 +97,7 @@ class ComputeStage:
     notes: list[str] = field(default_factory=list)
 
 
-def _noise(log_busy: np.ndarray, keys: np.ndarray) -> float:
-    """Spread of an instance around its own rank's median of the same (kind, chunk): a constant
-    slowdown of a rank shifts its median, not this spread, so the slow rank cannot inflate it."""
-    if len(log_busy) < 3:
-        return 0.1
-    _, inverse = unique_rows(keys)
-    groups, medians = group_median(log_busy, inverse)  # every group has rows: groups == arange
-    residual = log_busy - medians[np.searchsorted(groups, inverse)]
-    return max(_MAD * float(np.median(np.abs(residual))), 0.01)
-
-
-def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: float = Z_RANK,
+def peer_comparison(data: DetectionInput, *, z_instance: float = Z_INSTANCE, z_rank: float = Z_RANK,
                     min_slowdown: float | None = None, min_consistency: float = 0.7) -> ComputeStage:
     """Ranks of one stage compared per iteration: each rank's total busy time in an iteration
     against the median of its peers' totals in the same iteration. Totals, not per-task medians,
@@ -119,49 +110,21 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
     hardware, which many iterations make 'significant', from becoming alarms; by default it
     follows the measured noise (multiplicity.compute_floor), and `z_rank` rises with the number
     of ranks compared (multiplicity.job_threshold), so that a healthy job of any size names
-    nobody by chance."""
+    nobody by chance. The per-rank numbers come from compute_stats (made on the ranks' nodes in
+    `data.compute_stats`, or here from every rank's rows)."""
     t = data.compute
     findings: dict[int, ComputeFinding] = {}
     cannot: list[int] = []
     notes: list[str] = []
-    if not len(t["rank"]):
+    if data.compute_stats is None and not len(t["rank"]):
         return ComputeStage(findings={}, noise=float("nan"), cannot_compare=data.world,
                             notes=["no forward/backward spans in the trace: compute cannot be compared"])
-    log_busy = np.log(np.maximum(t["busy"], 1).astype(np.float64))
-    noise = _noise(log_busy, np.stack([t["rank"], t["kind"], t["chunk"]], axis=1))
-    pair_noise = noise * np.sqrt(2.0)
-    stages = sorted({role.stage for role in data.roles.values()})
-    stage_of_rank = np.zeros(max(max(data.roles, default=0), int(t["rank"].max())) + 1, dtype=np.int64)
-    for rank, role in data.roles.items():
-        stage_of_rank[rank] = stages.index(role.stage)
-    stage_of = stage_of_rank[t["rank"].astype(np.int64)]
-    compared: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, list[int], np.ndarray]] = {}
-    typical: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # rank -> (iterations, typical log ratio)
-    task_key = np.stack([t["iteration"], t["kind"], t["chunk"], t["microbatch"]], axis=1)
-    for stage in np.unique(stage_of):
-        in_stage = stage_of == stage
-        ranks = np.unique(t["rank"][in_stage])
-        if len(ranks) < 2:
-            continue
-        key = task_key[in_stage]
-        keys, inverse = unique_rows(key)
-        col = np.searchsorted(ranks, t["rank"][in_stage])
-        matrix = np.full((len(keys), len(ranks)), np.nan)  # [task instance, rank] log busy
-        matrix[inverse, col] = log_busy[in_stage]
-        shared = ~np.isnan(matrix).any(axis=1)  # instances every rank of the stage ran
-        iterations = np.unique(keys[shared, 0])
-        totals = np.array([np.log(np.exp(matrix[shared & (keys[:, 0] == i)]).sum(axis=0)) for i in iterations])
-        iteration_ratios = log_ratio_to_peers(totals) if len(iterations) else None  # [iteration, rank]
-        instance_ratios = log_ratio_to_peers(matrix)  # [task instance, rank]; nan: nothing to compare
-        listed = [int(r) for r in ranks]
-        for j, rank in enumerate(ranks):
-            peers = listed[:j] + listed[j + 1:]  # ranks are unique
-            per_iteration = iteration_ratios[:, j] if len(iterations) else np.zeros(0)
-            valid = ~np.isnan(instance_ratios[:, j])
-            instance_ratio = instance_ratios[valid, j]
-            own = totals[:, j] if len(iterations) else np.zeros(0)
-            compared[int(rank)] = (per_iteration, iterations, instance_ratio, peers, keys[valid], own)
-        typical.update(stage_typical(data, ranks, in_stage))
+    if data.compute_stats is None:
+        plan, stats = compute_statistics(data, z_instance=z_instance)
+    else:
+        plan, stats = data.compute_stats["plan"], data.compute_stats["statistics"]
+    noise = plan["noise"]
+    compared, typical, history = _compared(plan, stats)
     iteration_noise = series_noise([r for r, *_ in compared.values()], default=0.1)
     typical_noise = series_noise([r for _, r in typical.values()], default=0.1)
     z_rank = job_threshold(z_rank, len(data.world) * COMPUTE_MEASURES)
@@ -173,8 +136,8 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
         min_slowdown = compute_floor(iteration_noise) if len(compared) >= BETWEEN_MIN_RANKS else FLOOR_MAX
     # Every compared rank's series less its own median: what a run of slow iterations is judged by.
     series_median = dict(zip(compared, row_medians([r for r, *_ in compared.values()])))
-    onset_pool = (np.concatenate([r - series_median[rank] for rank, (r, *_) in compared.items() if len(r)])
-                  if compared else np.zeros(0))
+    onset_pool = np.sort(np.concatenate([r - series_median[rank] for rank, (r, *_) in compared.items() if len(r)])
+                         if compared else np.zeros(0))
     onset_tests = sum(max(len(r) - 4, 1) for r, *_ in compared.values())
     baseline_errors = BaselineErrors(list(compared), [r for r, *_ in compared.values()], list(series_median.values()))
     between = between_rank_spread([r for r, *_ in compared.values()], [r for _, r in typical.values()])
@@ -189,17 +152,16 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
         if length:
             best_onsets.update(zip(ranks_of_length, onset_shifts(
                 np.stack([compared[r][0] for r in ranks_of_length]), iteration_noise, min_after=MIN_RUN)))
-    host_of = {int(rank): data.roles[int(rank)].host if int(rank) in data.roles else ""
-               for rank in np.unique(t["rank"])}
+    host_of = {rank: data.roles[rank].host if rank in data.roles else "" for rank in history}
     on_host: dict[str, list[int]] = {}
     for rank in compared:
         on_host.setdefault(host_of[rank], []).append(rank)
-    for rank, (per_iteration, iterations, instance_ratio, peers, keys, own) in compared.items():
+    for rank, (per_iteration, iterations, evidence, peers, own) in compared.items():
         if not len(per_iteration):
             continue
-        neighbours = [(compared[other][1], compared[other][5]) for other in on_host[host_of[rank]] if other != rank]
-        findings[rank] = _finding(rank, peers, per_iteration, iteration_noise, instance_ratio, keys, pair_noise,
-                                  z_instance, z_rank, min_slowdown, min_consistency,
+        neighbours = [(compared[other][1], compared[other][4]) for other in on_host[host_of[rank]] if other != rank]
+        findings[rank] = _finding(rank, peers, per_iteration, iteration_noise, evidence, z_rank, min_slowdown,
+                                  min_consistency,
                                   iterations_of=iterations, own=own, neighbours=neighbours,
                                   typical=typical.get(rank), typical_noise=typical_noise,
                                   onset_pool=onset_pool, onset_tests=onset_tests, baseline_errors=baseline_errors,
@@ -210,23 +172,24 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
     # layer of any stage runs the same kernels, so ranks of one TP index compare layer by layer.
     lonely = [r for r in data.world if r not in findings]
     if lonely and len(data.layers["rank"]):
-        layer_findings, layer_typical_noise = _layer_peers(data, lonely, z_rank, min_slowdown, min_consistency)
+        # The reference ranks' layer rows (every rank's but in a stage of more than REFERENCE_PEERS).
+        own = np.isin(data.layers["rank"], reference_ranks(data.roles))
+        layers = replace(data, layers={c: v[own] for c, v in data.layers.items()})
+        layer_findings, layer_typical_noise = _layer_peers(layers, lonely, z_rank, min_slowdown, min_consistency)
         findings.update(layer_findings)
         if not typical:
             typical_noise = layer_typical_noise
     alone = [r for r in data.world if r not in findings]
-    # Every rank's iteration totals, for what the host did at a lone rank's onset (only when one is left).
-    totals_of = {int(rank): _iteration_totals(t["iteration"][t["rank"] == rank], t["busy"][t["rank"] == rank])
-                 for rank in np.unique(t["rank"])} if alone else {}
+    # Every rank's iteration totals, for what the host did at a lone rank's onset.
     for rank in alone:
-        mine = t["rank"] == rank
-        neighbours = [totals for other, totals in totals_of.items()
+        neighbours = [totals[:2] for other, totals in history.items()
                       if other != rank and host_of[other] == host_of.get(rank, "")]
-        history = _history(rank, t["iteration"][mine], t["busy"][mine], z_rank, min_slowdown, neighbours)
-        if history is None:
+        own = history.get(rank)
+        finding = _history(rank, *own, z_rank, min_slowdown, neighbours) if own is not None else None
+        if finding is None:
             cannot.append(rank)
         else:
-            findings[rank] = history
+            findings[rank] = finding
     if cannot:
         notes.append(f"rank(s) {cannot} have no peer of the same stage and too few iterations to compare with "
                      f"their own history: their compute cannot be compared")
@@ -234,6 +197,67 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = 2.0, z_rank: fl
                         typical_noise=typical_noise if typical or any(f.method == "layers" for f in findings.values())
                         else float("nan"), layer_typical=bool(len(data.layers["rank"])), cannot_compare=cannot,
                         notes=notes)
+
+
+NO_EVIDENCE = {"instances": 0, "slow": 0, "task_slowdown": 1.0, "worst_ops": []}
+
+
+def _compared(plan: dict, stats: dict) -> tuple[dict, dict, dict]:
+    """From the per-rank statistics (compute_stats): rank -> (per-iteration log ratio of its busy
+    total to its peers', those iterations, its task evidence, its peers, its own log totals) for
+    every rank of a stage with peers; rank -> (iterations, typical-call log ratio); and rank ->
+    (iterations, log busy total over all its tasks, tasks per iteration) for the history test."""
+    s = stats["series"]
+    order = np.lexsort((s["iteration"], s["rank"]))
+    s = {c: v[order] for c, v in s.items()}
+    rank, iteration = s["rank"].astype(np.int64), s["iteration"].astype(np.int64)
+    ranks, first = np.unique(rank, return_index=True)
+    bounds = np.r_[first, len(rank)]
+
+    def per_rank(mask: np.ndarray, *columns: str) -> dict[int, tuple]:
+        out = {}
+        for i, r in enumerate(ranks.tolist()):
+            rows = slice(bounds[i], bounds[i + 1])
+            keep = mask[rows]
+            if keep.any():
+                out[r] = (iteration[rows][keep], *(s[c][rows][keep] for c in columns))
+        return out
+
+    typical = per_rank(~np.isnan(s["typical"]), "typical")
+    history = per_rank(~np.isnan(s["all_total"]), "all_total", "tasks")
+    evidence = _evidence_of(stats)
+    compared = {}
+    for entry in plan["stages"].values():
+        members = entry["members"]
+        if len(members) < 2:
+            continue
+        iterations = np.unique(entry["shared"] >> 32)
+        rows = np.isin(rank, members) & np.isin(iteration, iterations) & ~np.isnan(s["total"])
+        totals = np.full((len(iterations), len(members)), np.nan)  # [iteration, rank] log busy total
+        totals[np.searchsorted(iterations, iteration[rows]), np.searchsorted(members, rank[rows])] = s["total"][rows]
+        ratios = log_ratio_to_peers(totals) if len(iterations) else np.zeros((0, len(members)))
+        listed = members.tolist()
+        for j, r in enumerate(listed):
+            compared[r] = (ratios[:, j], iterations, evidence.get(r, NO_EVIDENCE), listed[:j] + listed[j + 1:],
+                           totals[:, j])
+    return compared, typical, history
+
+
+def _evidence_of(stats: dict) -> dict[int, dict]:
+    """rank -> its task evidence (ComputeFinding's instances, slow_instances, task_slowdown, worst_ops)."""
+    table, worst = stats["ranks"], stats["worst"]
+    ops: dict[int, list[dict]] = {}
+    for i in np.lexsort((-worst["ratio"], worst["rank"])):
+        ops.setdefault(int(worst["rank"][i]), []).append({
+            "iteration": int(worst["iteration"][i]), "op": "backward" if worst["kind"][i] else "forward",
+            "chunk": int(worst["chunk"][i]), "microbatch": int(worst["microbatch"][i]),
+            "slowdown": round(float(np.exp(worst["ratio"][i])), 3)})
+    out = {}
+    for i, r in enumerate(table["rank"].astype(np.int64).tolist()):
+        if table["instances"][i]:
+            out[r] = {"instances": int(table["instances"][i]), "slow": int(table["slow"][i]),
+                      "task_slowdown": float(np.exp(table["task_median"][i])), "worst_ops": ops.get(r, [])}
+    return out
 
 
 def _layer_peers(data: DetectionInput, lonely: list[int], z_rank: float, min_slowdown: float,
@@ -273,17 +297,15 @@ def _layer_peers(data: DetectionInput, lonely: list[int], z_rank: float, min_slo
         if rank not in per_rank:
             continue
         ratio, peers, iterations, own = per_rank[rank]
-        finding = _finding(rank, peers, ratio, noise, np.zeros(0), np.zeros((0, 4), dtype=np.int64), 1.0, 2.0,
-                           z_rank, min_slowdown, min_consistency,
+        finding = _finding(rank, peers, ratio, noise, NO_EVIDENCE, z_rank, min_slowdown, min_consistency,
                            iterations_of=iterations, own=own, typical=typical.get(rank), typical_noise=typical_noise)
         finding.method = "layers"
         findings[rank] = finding
     return findings, typical_noise
 
 
-def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_noise: float,
-             instance_ratio: np.ndarray, keys: np.ndarray, pair_noise: float, z_instance: float, z_rank: float,
-             min_slowdown: float, min_consistency: float, iterations_of: np.ndarray,
+def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_noise: float, evidence: dict,
+             z_rank: float, min_slowdown: float, min_consistency: float, iterations_of: np.ndarray,
              own: np.ndarray | None = None,
              neighbours: list[tuple[np.ndarray, np.ndarray]] = (),
              typical: tuple[np.ndarray, np.ndarray] | None = None,
@@ -292,7 +314,9 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
              best_onset: tuple[float, float, int] | None | bool = False,
              between: tuple[float, float] | None = None, median: float | None = None,
              median_null: MedianNull | None = None, tests: int = 1) -> ComputeFinding:
-    """`per_iteration`: the rank's log ratio to its peers per iteration; `own`: its own log busy
+    """`per_iteration`: the rank's log ratio to its peers per iteration; `evidence`: its task
+    instances compared, how many were slow, their median log ratio and the slowest (_compared);
+    `own`: its own log busy
     per iteration (same order), which an onset must show beyond what the other ranks of its host
     show at the same iteration (`neighbours`: their (iterations, own log busy); see
     own_share_of_onset). `typical`: (iterations, log ratio of its typical call; typical_ratios),
@@ -335,36 +359,26 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
         if change is not None and onset_pool is not None and chance_of_late_run(
                 onset_pool, per_iteration[change[2]:] - np.median(per_iteration[:change[2]]), onset_tests,
                 baseline_errors.at(change[2], rank) if baseline_errors is not None else None,
-                own=per_iteration - median) >= JOB_FALSE_ALARM / COMPUTE_MEASURES:
+                own=per_iteration - median, presorted=True) >= JOB_FALSE_ALARM / COMPUTE_MEASURES:
             change = None
         if change is not None and (own is None or own_share_of_onset(
                 own, change, host_shift(neighbours, int(iterations_of[change[2]]))) >= MIN_OWN_SHARE):
             flagged, median, z, onset = True, change[0], change[1], int(iterations_of[change[2]])
-    slow = instance_ratio > max(z_instance * pair_noise, np.log(1.02))
-    worst = np.argsort(-instance_ratio)[:5]
-    worst_ops = [{"iteration": int(keys[i, 0]), "op": "backward" if keys[i, 1] else "forward", "chunk": int(keys[i, 2]),
-                  "microbatch": int(keys[i, 3]), "slowdown": round(float(np.exp(instance_ratio[i])), 3)} for i in worst]
     if measure == "typical":
         median, z = float(np.log(typical_slowdown)), typical_z
-    return ComputeFinding(rank=rank, method="peers", peers=peers, instances=len(instance_ratio),
-                          slow_instances=int(slow.sum()), iterations=len(per_iteration),
+    return ComputeFinding(rank=rank, method="peers", peers=peers, instances=evidence["instances"],
+                          slow_instances=evidence["slow"], iterations=len(per_iteration),
                           slower_iterations=int(np.sum(per_iteration > 0)) if measure == "total" else typical_slower,
                           slowdown=float(np.exp(median)), measure=measure, typical_slowdown=typical_slowdown,
                           typical_z=float(typical_z), typical_slower_iterations=typical_slower,
-                          task_slowdown=float(np.exp(np.median(instance_ratio))) if len(instance_ratio) else 1.0,
-                          z=float(z), flagged=flagged, chance=chance, worst_ops=worst_ops, onset_iteration=onset,
+                          task_slowdown=evidence["task_slowdown"], z=float(z), flagged=flagged, chance=chance,
+                          worst_ops=evidence["worst_ops"], onset_iteration=onset,
                           series=np.asarray(per_iteration, dtype=np.float64),
                           series_iterations=np.asarray(iterations_of, dtype=np.int64), series_noise=iteration_noise)
 
 
-def _iteration_totals(iteration: np.ndarray, busy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(iterations, log total busy per iteration) of one rank."""
-    iterations = np.unique(iteration)
-    return iterations, np.log(np.array([max(float(busy[iteration == i].sum()), 1.0) for i in iterations]))
-
-
-def _history(rank: int, iteration: np.ndarray, busy: np.ndarray, z_rank: float, min_slowdown: float,
-             neighbours: list[tuple[np.ndarray, np.ndarray]] = ()) -> ComputeFinding | None:
+def _history(rank: int, iterations: np.ndarray, per_iteration: np.ndarray, tasks: np.ndarray, z_rank: float,
+             min_slowdown: float, neighbours: list[tuple[np.ndarray, np.ndarray]] = ()) -> ComputeFinding | None:
     """A rank without peers against itself: the best split of its per-iteration busy totals into
     before/after, flagged when the later part is significantly and materially slower (an onset).
     Noise is the robust spread of successive differences, which one step cannot inflate. Being
@@ -372,7 +386,6 @@ def _history(rank: int, iteration: np.ndarray, busy: np.ndarray, z_rank: float, 
     What the host's other ranks slowed at the same split (`neighbours`: their iteration totals,
     see host_shift) is the host's, not the rank's, and is taken off: both stages of a healthy
     PP=2 run on 2 cores stepped up 1.2x together, and online detection named one of them."""
-    iterations, per_iteration = _iteration_totals(iteration, busy)
     if len(iterations) < 4:
         return None
     noise = max(_MAD * float(np.median(np.abs(np.diff(per_iteration)))) / np.sqrt(2.0), 0.02)
@@ -391,7 +404,7 @@ def _history(rank: int, iteration: np.ndarray, busy: np.ndarray, z_rank: float, 
             best = (z, split, shift)
     z, split, shift = best
     flagged = bool(z > z_rank + ONSET_PENALTY and np.exp(shift) >= min_slowdown and len(iterations) - split >= 2)
-    return ComputeFinding(rank=rank, method="history", peers=[], instances=int(np.isin(iteration, iterations[split:]).sum()),
+    return ComputeFinding(rank=rank, method="history", peers=[], instances=int(tasks[split:].sum()),
                           slow_instances=0, iterations=len(iterations) - split,
                           slower_iterations=int(np.sum(per_iteration[split:] > np.median(per_iteration[:split]))),
                           slowdown=float(np.exp(shift)), task_slowdown=float("nan"), z=float(z), flagged=flagged,

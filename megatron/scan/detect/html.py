@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron.scan.detect.combine import Detection
+from megatron.scan.detect.compute_stats import busy_medians
 from megatron.scan.detect.power import verdict_lines
 from megatron.scan.detect.typical import group_median
 
@@ -25,7 +26,8 @@ def _color(ratio: float) -> str:
 
 
 def _heatmap(detection: Detection) -> str:
-    """Per rank and op type: median busy time relative to the median of its stage's ranks. Every
+    """Per rank and op type: median busy time relative to the median of its stage's rows (those
+    rank 0 holds: every rank's, or the reference ranks' when the nodes reduced theirs). Every
     rank's and every stage's median at once (a loop over ranks of masks over every row took 87 s
     of the report of a 4,096-rank job)."""
     data = detection.data
@@ -41,8 +43,9 @@ def _heatmap(detection: Detection) -> str:
     busy = t["busy"][keep].astype(np.float64)
     rank, kind = rank[keep], kind[keep]
     own = np.full(size * 2, np.nan)  # [rank * 2 + kind] median busy
-    groups, medians = group_median(busy, rank * 2 + kind)
-    own[groups] = medians
+    for (r, k), ns in busy_medians(data).items():
+        if r < size:
+            own[r * 2 + k] = ns
     stages = np.full(max(len(stage_ids), 1) * 2, np.nan)  # [stage * 2 + kind] median busy of its ranks' rows
     groups, medians = group_median(busy, stage_of[rank] * 2 + kind)
     stages[groups] = medians

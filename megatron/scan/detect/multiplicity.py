@@ -54,7 +54,8 @@ def compute_floor(iteration_noise: float, *, ceiling: float = FLOOR_MAX) -> floa
 
 
 def chance_of_late_run(pool: np.ndarray, later: np.ndarray, tests: int,
-                       baseline_errors: np.ndarray | None = None, own: np.ndarray | None = None) -> float:
+                       baseline_errors: np.ndarray | None = None, own: np.ndarray | None = None,
+                       presorted: bool = False) -> float:
     """How likely, in a job of `tests` (rank, split) comparisons, some rank's series ends in a run
     as high as `later` (each value less the rank's baseline, the median before the split) by
     chance: the share q of all ranks' values (each less its own median: `pool`) at least as high
@@ -70,8 +71,9 @@ def chance_of_late_run(pool: np.ndarray, later: np.ndarray, tests: int,
     e) to the run's length. Without it, q^k counted runs after a low baseline as rarer than they
     are, and 3 of 100 healthy 4,096-rank jobs named an onset. `own`: the judged rank's values in
     `pool`, left out of it: a run is no evidence of how common runs are (in a stage of two ranks,
-    its own four slow iterations made q at least 4 in 24)."""
-    ordered = np.sort(pool)
+    its own four slow iterations made q at least 4 in 24). `presorted`: `pool` is sorted already
+    (one sort per analysis, not one per candidate onset)."""
+    ordered = pool if presorted else np.sort(pool)
     own = np.sort(own) if own is not None else np.zeros(0)
     size = len(ordered) - len(own)
     if size <= 0 or not len(later):

@@ -32,12 +32,13 @@ def stage_members(roles: dict[int, RankRole]) -> dict[tuple, np.ndarray]:
     return {stage: np.asarray(sorted(ranks), dtype=np.int64) for stage, ranks in stages.items()}
 
 
-def reference_ranks(roles: dict[int, RankRole], peers: int = REFERENCE_PEERS) -> np.ndarray:
+def reference_ranks(roles: dict[int, RankRole], peers: int | None = None) -> np.ndarray:
     """The sorted reference ranks: every rank of a stage of up to `peers` ranks, else one of each
     of `peers` equal blocks of its sorted ranks, at a position that moves by one from block to
     block (block i's i-th rank, modulo the block's length): one rank per block spreads them over
     the nodes, and the moving position over the ranks' places on a node (evenly spaced positions
     of a stage of 1,024 ranks in nodes of 8 would all be every node's first GPU)."""
+    peers = REFERENCE_PEERS if peers is None else peers
     chosen = []
     for ranks in stage_members(roles).values():
         if len(ranks) <= peers:
@@ -49,6 +50,7 @@ def reference_ranks(roles: dict[int, RankRole], peers: int = REFERENCE_PEERS) ->
     return np.sort(np.concatenate(chosen)) if chosen else np.zeros(0, dtype=np.int64)
 
 
-def sampled(roles: dict[int, RankRole], peers: int = REFERENCE_PEERS) -> bool:
+def sampled(roles: dict[int, RankRole], peers: int | None = None) -> bool:
     """Whether some stage is compared with a sample of its ranks (more than `peers` ranks)."""
+    peers = REFERENCE_PEERS if peers is None else peers
     return any(len(ranks) > peers for ranks in stage_members(roles).values())

@@ -7,7 +7,7 @@ import warnings
 
 import numpy as np
 
-from megatron.scan.detect.model import DetectionInput, unique_rows
+from megatron.scan.detect.model import unique_rows
 from megatron.scan.speed import log_ratio_to_peers
 
 
@@ -81,22 +81,3 @@ def typical_ratios(rank: np.ndarray, iteration: np.ndarray, call: np.ndarray, bu
         if valid.any():
             out[int(r)] = (iterations[valid], per_iteration[valid, j])
     return out
-
-
-def stage_typical(data: DetectionInput, ranks: np.ndarray, in_stage: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """typical_ratios of one stage's ranks: over transformer-layer calls (per layer and direction)
-    where every rank of the stage has them, else over its forward/backward tasks."""
-    layers = data.layers
-    if len(layers["rank"]) and np.isin(ranks, layers["rank"]).all():
-        return typical_ratios(layers["rank"], layers["iteration"], _call_ids(layers["kind"], layers["layer"]),
-                              layers["busy"], ranks)
-    t = data.compute
-    call = _call_ids(t["kind"][in_stage], t["chunk"][in_stage], t["microbatch"][in_stage])
-    return typical_ratios(t["rank"][in_stage], t["iteration"][in_stage], call, t["busy"][in_stage], ranks)
-
-
-def _call_ids(*columns: np.ndarray) -> np.ndarray:
-    """One integer per distinct combination of the columns."""
-    if not len(columns[0]):
-        return np.zeros(0, dtype=np.int64)
-    return unique_rows(np.column_stack(columns))[1].astype(np.int64)

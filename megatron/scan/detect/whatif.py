@@ -10,6 +10,7 @@ import numpy as np
 from megatron.app.schedule import PipelineLayout, Task
 from megatron.app.simulator import simulate_schedule
 from megatron.scan.detect.combine import Detection
+from megatron.scan.detect.compute_stats import busy_medians
 from megatron.scan.detect.suspect import Suspect
 
 
@@ -30,14 +31,7 @@ class _MeasuredCosts:
 
 def _busy_table(detection: Detection) -> dict[tuple[int, int], float]:
     """(rank, kind) -> median busy ms of one task."""
-    t = detection.data.compute
-    table = {}
-    for rank in np.unique(t["rank"]):
-        for kind in (0, 1):
-            mine = (t["rank"] == rank) & (t["kind"] == kind)
-            if mine.any():
-                table[(int(rank), kind)] = float(np.median(t["busy"][mine])) / 1e6
-    return table
+    return {key: ns / 1e6 for key, ns in busy_medians(detection.data).items()}
 
 
 def _makespan(detection: Detection, busy: dict[tuple[int, int], float], delays: dict[tuple[int, int], float]) -> float:
