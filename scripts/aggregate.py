@@ -34,8 +34,11 @@ def main() -> int:
     if args.detect:
         from megatron.scan.detect.cli import run_detect
 
+        # The aggregation that wrote the merged trace is the one detection reads (made once), unless
+        # it was made without aligning clocks or fitting drift, which detection always does.
         status = run_detect(argparse.Namespace(jobs=args.jobs, run_id=args.run_id, output_dir=None, no_html=False,
-                                               no_what_if=False, json=False, quiet=args.quiet), args.benchmark_dir)
+                                               no_what_if=False, json=False, quiet=args.quiet), args.benchmark_dir,
+                            aggregation=None if args.no_align or args.no_drift else result)
         if status != 0 or not args.focus:
             return status
         # Detection just wrote its suspects: the focused view reuses them instead of detecting again.

@@ -83,6 +83,11 @@ def test_aggregate_script_with_detection(run_dir, tmp_path):
     assert shown.returncode == 0, shown.stderr
     assert progress_lines(shown.stderr, "aggregate") and progress_lines(shown.stderr, "detect")
     assert "[aggregate]" not in shown.stdout and "[detect]" not in shown.stdout
+    # Detection reads the aggregation that wrote the merged trace: the rank files are loaded once,
+    # and the verdict is the one `detect` gives on its own.
+    assert not any("loading rank files" in line for line in progress_lines(shown.stderr, "detect")), shown.stderr
+    alone = python(["-m", "megatron.scan", "detect", str(run_dir), "--json", "--output-dir", str(tmp_path / "alone")])
+    assert json.loads((run_dir / "abnormal.json").read_text()) == json.loads(alone.stdout)
     quiet = python([*args, "--quiet"], extra_env={ENV: "1"})
     assert quiet.returncode == 0 and "[aggregate]" not in quiet.stderr and "[detect]" not in quiet.stderr
     assert "[detect]" not in quiet.stdout

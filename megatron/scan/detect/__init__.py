@@ -12,14 +12,17 @@ __all__ = ["Detection", "DetectionInput", "Suspect", "detect", "from_aggregation
 
 
 def run_detection(directory: str | os.PathLike, *, jobs: int | None = None, run_id: str | None = None,
-                  what_if: bool = True, progress=None) -> Detection:
+                  what_if: bool = True, progress=None, aggregation=None) -> Detection:
     """Load, match and align a trace directory, then detect; raises AggregateError on bad input.
-    `progress`: a megatron.app.progress.Reporter for each step's progress line (default: silent)."""
+    `progress`: a megatron.app.progress.Reporter for each step's progress line (default: silent).
+    `aggregation`: the directory's aggregation when the caller already made it (the merged trace's
+    writer: `scripts/aggregate.py -d` aggregates once)."""
     from megatron.app.progress import SILENT
     from megatron.scan.aggregate import aggregate
 
     progress = progress or SILENT
-    aggregation = aggregate(directory, None, jobs=jobs, run_id=run_id, progress=progress)
+    if aggregation is None:
+        aggregation = aggregate(directory, None, jobs=jobs, run_id=run_id, progress=progress)
     with progress.step("building per-rank tables"):
         data = from_aggregation(aggregation)
     detection = detect(data, progress=progress)

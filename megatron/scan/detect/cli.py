@@ -23,8 +23,9 @@ def add_detect_parser(commands) -> argparse.ArgumentParser:
     return p
 
 
-def run_detect(args: argparse.Namespace, directory: str | None = None) -> int:
-    """Exit status 0 with or without suspects (a finding is not an error); 2 when the input is unusable."""
+def run_detect(args: argparse.Namespace, directory: str | None = None, aggregation=None) -> int:
+    """Exit status 0 with or without suspects (a finding is not an error); 2 when the input is
+    unusable. `aggregation`: the directory's, when the caller made it already."""
     import json
 
     from megatron.app.progress import reporter
@@ -37,7 +38,8 @@ def run_detect(args: argparse.Namespace, directory: str | None = None) -> int:
         # Progress goes to stderr, never into the report or --json on stdout; MEGATRON_PROGRESS=0 silences it.
         progress = reporter("detect", quiet=getattr(args, "quiet", False))
         detection = run_detection(directory, jobs=args.jobs, run_id=args.run_id,
-                                  what_if=not getattr(args, "no_what_if", False), progress=progress)
+                                  what_if=not getattr(args, "no_what_if", False), progress=progress,
+                                  aggregation=aggregation)
     except AggregateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
