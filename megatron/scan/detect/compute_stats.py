@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron.scan.detect.model import DetectionInput, unique_rows
-from megatron.scan.detect.reference import reference_ranks
+from megatron.scan.detect.reference import reference_ranks, stage_members
 from megatron.scan.detect.typical import group_median
 from megatron.scan.speed import log_ratio_to_peers
 
@@ -98,9 +98,8 @@ def compute_plan(reports: list[dict], data: DetectionInput, *, z_instance: float
     own = np.isin(data.compute["rank"], reference)
     t = {c: v[own] for c, v in data.compute.items()}
     stages: dict[tuple, dict] = {}
-    for stage in sorted({role.stage for role in data.roles.values()}):
-        members = np.asarray([r for r in ranks.tolist() if data.roles.get(r) is not None and data.roles[r].stage == stage],
-                             dtype=np.int64)
+    for stage, members in sorted(stage_members(data.roles).items()):
+        members = members[np.isin(members, ranks)]  # those with compute rows
         if not len(members):
             continue
         shared = None
@@ -270,7 +269,7 @@ def reference_statistics(data: DetectionInput, plan: dict) -> dict[str, dict[str
     out = []
     for entry in plan["stages"].values():
         ranks = entry["reference"]
-        if len(ranks) < 2 and len(entry["members"]) < 2:
+        if len(entry["members"]) < 2:
             continue  # no peer: judged against its own history (compute.peer_comparison)
         rows = np.isin(t["rank"], ranks)
         sub = {c: v[rows] for c, v in t.items()}
