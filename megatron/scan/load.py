@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from megatron.app.progress import SILENT, Reporter
-from megatron.scan.trace_format import INT_COLUMNS, RankFile, TraceFormatError, iter_trace_files, read_rank_file
+from megatron.scan.trace_format import RankFile, TraceFormatError, iter_trace_files, read_rank_file
 
 
 class AggregateError(RuntimeError):
@@ -51,11 +51,21 @@ class GlobalTrace:
         return f"DP{c['dp']}-PP{c['pp']}-TP{c['tp']}{f' {role}' if role else ''} (rank {rank})"
 
 
+# What merge() keeps of a rank file's columns, in the types it keeps them in. The loading
+# processes narrow the columns to these before sending them (1.3 GB instead of 2.3 at 4,096
+# ranks x 20 iterations); the monotonic start_ns/end_ns are not merged (wall times are).
+MERGED_TYPES = {"name": np.int32, "dtype": np.int32, "group": np.int32, "seq": np.int64, "bytes": np.int64,
+                "start_wall_ns": np.int64, "end_wall_ns": np.int64,
+                **{c: np.int32 for c in ("iteration", "microbatch", "chunk", "peer", "layer", "flags", "window")}}
+
+
 def _read(path: str) -> RankFile | str:
     try:
-        return read_rank_file(path)
+        f = read_rank_file(path)
     except TraceFormatError as exc:
         return str(exc)
+    f.columns = {column: f.columns[column].astype(kind, copy=False) for column, kind in MERGED_TYPES.items()}
+    return f
 
 
 def read_all(paths: list[Path], jobs: int | None = None, progress: Reporter = SILENT) -> list[RankFile | str]:
@@ -237,25 +247,25 @@ def merge(by_rank: dict[int, RankFile], progress: Reporter = SILENT) -> GlobalTr
     """Concatenate per-rank columns, remapping each file's names and groups to global ids."""
     names: dict[str, int] = {}
     groups: dict[tuple, int] = {}
-    parts: dict[str, list[np.ndarray]] = collections.defaultdict(list)
+    # Every column written once into its place in the merged array (no per-rank copies to
+    # concatenate after: at 4,096 ranks that is 18 million rows x 16 columns moved twice).
+    dtypes = {"rank": np.int32, **MERGED_TYPES}
+    columns = {column: np.empty(sum(f.num_events for f in by_rank.values()), dtype=dtype)
+               for column, dtype in dtypes.items()}
+    at = 0
     for rank in progress.iterate("merging rank files", sorted(by_rank)):
         f = by_rank[rank]
         name_map = np.array([names.setdefault(n, len(names)) for n in f.names] + [-1], dtype=np.int32)
         group_map = np.array([groups.setdefault((g["name"], tuple(g["ranks"]), g["desc"]), len(groups))
                               for g in f.groups] + [-1], dtype=np.int32)
-        c = f.columns
-        parts["rank"].append(np.full(f.num_events, rank, dtype=np.int32))
-        parts["name"].append(name_map[c["name"]])
-        parts["dtype"].append(name_map[c["dtype"]])
-        parts["group"].append(group_map[c["group"]])
-        for column in ("iteration", "microbatch", "chunk", "peer", "seq", "layer", "flags", "window"):
-            parts[column].append(c[column].astype(np.int32 if column != "seq" else np.int64))
-        for column in ("bytes", "start_wall_ns", "end_wall_ns"):
-            parts[column].append(c[column].astype(np.int64))
-    columns = {k: np.concatenate(v) for k, v in parts.items()}
-    if not columns:
-        columns = {k: np.zeros(0, dtype=np.int64) for k in ("rank", "name", "dtype", "group", *INT_COLUMNS,
-                                                              "window", "start_wall_ns", "end_wall_ns")}
+        c, rows = f.columns, slice(at, at + f.num_events)
+        columns["rank"][rows] = rank
+        columns["name"][rows] = name_map[c["name"]]
+        columns["dtype"][rows] = name_map[c["dtype"]]
+        columns["group"][rows] = group_map[c["group"]]
+        for column in dtypes.keys() - {"rank", "name", "dtype", "group"}:
+            columns[column][rows] = c[column]
+        at += f.num_events
     columns["start"] = columns.pop("start_wall_ns")
     columns["end"] = columns.pop("end_wall_ns")
     group_list: list[dict[str, Any]] = [{}] * len(groups)

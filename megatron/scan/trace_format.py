@@ -17,6 +17,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+try:  # window records are JSON arrays of millions of integers at scale: orjson parses them ~4x faster
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - a dependency; the standard parser reads the same files
+    _orjson = None
+
 FORMAT = "megascan-trace"
 VERSION = 1
 
@@ -355,7 +360,7 @@ def read_rank_file(path: str | os.PathLike) -> RankFile:
     ended = False
     for number, raw in enumerate(lines[1:], start=2):
         try:
-            record = json.loads(raw)
+            record = _parse_line(raw)
             kind = record.get("type")
             if kind == "end":
                 ended = True
@@ -379,6 +384,17 @@ def read_rank_file(path: str | os.PathLike) -> RankFile:
         group_list[index] = {"name": name, "ranks": list(ranks), "desc": desc}
     return RankFile(path=path, header=header, windows=windows, names=list(names), groups=group_list,
                     columns=columns, ended=ended, warnings=warnings)
+
+
+def _parse_line(raw: bytes) -> Any:
+    """One JSON line. orjson where it can; the standard parser for what orjson refuses but the
+    writer may emit (NaN and Infinity in metrics, integers beyond 64 bits), and for its errors."""
+    if _orjson is not None:
+        try:
+            return _orjson.loads(raw)
+        except _orjson.JSONDecodeError:
+            pass
+    return json.loads(raw)
 
 
 def _append_window(record: dict, window_index: int, names: dict[str, int], groups: dict[tuple, int],

@@ -3,6 +3,7 @@ counted outside windows, megatron-core's bound aliases of collectives wrapped, a
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -91,6 +92,25 @@ def test_window_contents_and_sequence_numbers(world, tmp_path):
     # Spans nest: forward inside iteration.
     i, fw = names.index("iteration"), names.index("forward")
     assert f.columns["start_ns"][i] <= f.columns["start_ns"][fw] <= f.columns["end_ns"][fw] <= f.columns["end_ns"][i]
+
+
+def test_a_diverged_loss_written_as_nan_reads_back(tmp_path):
+    """The writer keeps a NaN or infinite loss (JSON's NaN / Infinity literals); the fast parser
+    refuses them, so the reader falls back to the standard one for those lines."""
+    path = tmp_path / "r.json"
+    tracer = make_tracer(path, WindowSchedule(1, 1))
+    for iteration, loss in enumerate([2.5, float("nan"), float("inf")]):
+        tracer.begin_iteration(iteration)
+        with tracer.span("iteration", iteration=iteration):
+            pass
+        tracer.end_iteration(iteration, {"iteration_time": 0.1, "lm loss": loss})
+    tracer.close({})
+    assert b"NaN" in path.read_bytes() and b"Infinity" in path.read_bytes()
+    f = read_rank_file(path)
+    assert f.ended and not f.warnings and [w["iterations"] for w in f.windows] == [[0, 0], [1, 1], [2, 2]]
+    first, second, third = (w["metrics"][0]["loss"] for w in f.windows)
+    assert first == 2.5 and math.isnan(second) and third == math.inf
+    assert [f.names[i] for i in f.columns["name"]] == ["iteration"] * 3
 
 
 def test_untraced_iterations_record_nothing(tmp_path):

@@ -156,6 +156,7 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = Z_INSTANCE, z_r
     on_host: dict[str, list[int]] = {}
     for rank in compared:
         on_host.setdefault(host_of[rank], []).append(rank)
+    tests = len(data.world) * COMPUTE_MEASURES
     for rank, (per_iteration, iterations, evidence, peers, own) in compared.items():
         if not len(per_iteration):
             continue
@@ -167,7 +168,7 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = Z_INSTANCE, z_r
                                   onset_pool=onset_pool, onset_tests=onset_tests, baseline_errors=baseline_errors,
                                   best_onset=best_onsets.get(rank, False), between=between,
                                   median=series_median[rank], median_null=median_null,
-                                  tests=len(data.world) * COMPUTE_MEASURES)
+                                  tests=tests)
     # Ranks with no same-stage peer (PP-only layouts): with per-layer spans, every transformer
     # layer of any stage runs the same kernels, so ranks of one TP index compare layer by layer.
     lonely = [r for r in data.world if r not in findings]

@@ -226,14 +226,17 @@ def _overlap(own: np.ndarray, first: np.ndarray, begin: np.ndarray, stop: np.nda
 def _tensor_parallel_start(c: dict[str, np.ndarray], rows: np.ndarray, roles: dict[int, RankRole]) -> np.ndarray:
     """Per compute row, the latest start of the same task (iteration, kind, chunk, microbatch) among
     the members of its TP group (same DP and PP coordinates)."""
-    ranks = c["rank"][rows].astype(np.int64)
-    dp = np.array([roles[int(r)].dp for r in ranks], dtype=np.int64)
-    pp = np.array([roles[int(r)].pp for r in ranks], dtype=np.int64)
-    key = np.stack([dp, pp, c["iteration"][rows], c["name"][rows], c["chunk"][rows], c["microbatch"][rows]], axis=1)
-    if not len(key):
+    if not len(rows):
         return np.zeros(0, dtype=np.int64)
-    _, inverse = np.unique(key, axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
+    ranks = c["rank"][rows].astype(np.int64)
+    # Coordinates by rank through one lookup table, not a dictionary lookup per row.
+    coordinate = np.zeros((int(max(max(roles), ranks.max())) + 1, 2), dtype=np.int64)
+    for r, role in roles.items():
+        coordinate[r] = (role.dp, role.pp)
+    dp_pp = coordinate[ranks]
+    key = np.stack([dp_pp[:, 0], dp_pp[:, 1], c["iteration"][rows], c["name"][rows], c["chunk"][rows],
+                    c["microbatch"][rows]], axis=1)
+    _, inverse = unique_rows(key)
     latest = np.full(inverse.max() + 1, np.iinfo(np.int64).min, dtype=np.int64)
     np.maximum.at(latest, inverse, c["start"][rows].astype(np.int64))
     return latest[inverse]
