@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from megatron.scan.detect.compute_stats import Z_INSTANCE, compute_statistics
-from megatron.scan.detect.model import DetectionInput
+from megatron.scan.detect.model import DetectionInput, table_rows
 from megatron.scan.detect.multiplicity import (
     COMPUTE_MEASURES,
     FLOOR_MAX,
@@ -175,7 +175,7 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = Z_INSTANCE, z_r
     if lonely and len(data.layers["rank"]):
         # The reference ranks' layer rows (every rank's but in a stage of more than REFERENCE_PEERS).
         own = np.isin(data.layers["rank"], reference_ranks(data.roles))
-        layers = replace(data, layers={c: v[own] for c, v in data.layers.items()})
+        layers = replace(data, layers=table_rows(data.layers, own))
         layer_findings, layer_typical_noise = _layer_peers(layers, lonely, z_rank, min_slowdown, min_consistency)
         findings.update(layer_findings)
         if not typical:
@@ -210,7 +210,7 @@ def _compared(plan: dict, stats: dict) -> tuple[dict, dict, dict]:
     (iterations, log busy total over all its tasks, tasks per iteration) for the history test."""
     s = stats["series"]
     order = np.lexsort((s["iteration"], s["rank"]))
-    s = {c: v[order] for c, v in s.items()}
+    s = table_rows(s, order)
     rank, iteration = s["rank"].astype(np.int64), s["iteration"].astype(np.int64)
     ranks, first = np.unique(rank, return_index=True)
     bounds = np.r_[first, len(rank)]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron.scan.detect.model import DetectionInput, unique_rows
+from megatron.scan.detect.model import DetectionInput, table_rows, unique_rows
 from megatron.scan.detect.reference import reference_ranks, stage_members
 from megatron.scan.detect.typical import group_median
 from megatron.scan.speed import log_ratio_to_peers
@@ -96,7 +96,7 @@ def compute_plan(reports: list[dict], data: DetectionInput, *, z_instance: float
     layer_ranks = set(np.concatenate([r["layer_ranks"] for r in reports]).tolist()) if reports else set()
     reference = reference_ranks(data.roles)
     own = np.isin(data.compute["rank"], reference)
-    t = {c: v[own] for c, v in data.compute.items()}
+    t = table_rows(data.compute, own)
     stages: dict[tuple, dict] = {}
     for stage, members in sorted(stage_members(data.roles).items()):
         members = members[np.isin(members, ranks)]  # those with compute rows
@@ -113,7 +113,7 @@ def compute_plan(reports: list[dict], data: DetectionInput, *, z_instance: float
         if len(entry["reference"]) < len(members):  # a sample: the nodes compare with its medians
             rows = np.isin(t["rank"], entry["reference"])
             entry["task_median"] = group_median(np.log(np.maximum(t["busy"][rows], 1).astype(np.float64)),
-                                                task_keys({c: v[rows] for c, v in t.items()}))
+                                                task_keys(table_rows(t, rows)))
             entry["call_median"] = _call_medians(data, entry)
         stages[stage] = entry
     noise = task_noise(t)
@@ -142,7 +142,7 @@ def _cells(data: DetectionInput, ranks: np.ndarray, layers: bool, rows: np.ndarr
     rows = np.isin(t["rank"], ranks) if rows is None else rows
     if not rows.any():
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
-    part = {c: v[rows] for c, v in t.items()}
+    part = table_rows(t, rows)
     key = _layer_keys(part) if layers else task_keys(part)
     pairs, inverse = unique_rows(np.stack([part["rank"].astype(np.int64), key], axis=1))
     groups, medians = group_median(np.log(np.maximum(part["busy"], 1).astype(np.float64)), inverse)
@@ -223,7 +223,7 @@ def _against_medians(part: DetectionInput, entry: dict, rows: np.ndarray, cell_r
     """The ranks of the task `rows` (not reference ranks) against the reference's median per task
     and per call (`cell_rows`: their rows of the table the calls come from)."""
     t = part.compute
-    sub = {c: v[rows] for c, v in t.items()}
+    sub = table_rows(t, rows)
     ranks = np.unique(sub["rank"]).astype(np.int64)
     ratio = np.log(np.maximum(sub["busy"], 1).astype(np.float64)) - _lookup(entry["task_median"], task_keys(sub))
     evidence = _evidence(sub, ratio, ranks, slow_bar)
@@ -272,7 +272,7 @@ def reference_statistics(data: DetectionInput, plan: dict) -> dict[str, dict[str
         if len(entry["members"]) < 2:
             continue  # no peer: judged against its own history (compute.peer_comparison)
         rows = np.isin(t["rank"], ranks)
-        sub = {c: v[rows] for c, v in t.items()}
+        sub = table_rows(t, rows)
         keys, inverse = np.unique(task_keys(sub), return_inverse=True)
         col = np.searchsorted(ranks, sub["rank"])
         matrix = np.full((len(keys), len(ranks)), np.nan)  # [task instance, rank] log busy

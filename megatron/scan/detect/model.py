@@ -87,6 +87,11 @@ HOST_COLUMNS = ("rank", "iteration", "cpu_ms", "cpu_wait_ms", "main_cpu_ms", "ma
 LAYER_COLUMNS = ("rank", "iteration", "kind", "layer", "busy")
 
 
+def table_rows(table: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
+    """The same rows (a mask or indices) of every column of a table."""
+    return {name: column[rows] for name, column in table.items()}
+
+
 def nested_busy(rank: np.ndarray, start: np.ndarray, end: np.ndarray, rows: np.ndarray,
                 waits: np.ndarray) -> np.ndarray:
     """Duration of each span in `rows` minus its overlap with the `waits` rows of the same rank."""

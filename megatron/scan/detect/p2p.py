@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron.scan.detect.model import DetectionInput, unique_rows
+from megatron.scan.detect.model import DetectionInput, table_rows, unique_rows
 from megatron.scan.detect.multiplicity import job_threshold
 from megatron.scan.detect.reference import reference_ranks, sampled
 from megatron.scan.detect.typical import group_median
@@ -63,7 +63,7 @@ def pipeline_analysis(data: DetectionInput, *, z_link: float = 4.0, min_excess_m
     # costs links x messages: 20 s at 1,024 ranks).
     if large or len(pairs) >= MANY_LINKS:
         # Unless a stage is sampled, every rank is a reference rank: the whole table is the reference.
-        reference = _rows(t, np.isin(t["dst"], reference_ranks(data.roles))) if large else t
+        reference = table_rows(t, np.isin(t["dst"], reference_ranks(data.roles))) if large else t
         plan = link_plan(reference, link_classes(t))
         stats = merge_link_stats([reduce_links(t, plan)])
         return _stage(stats, judge_links(stats, plan["spread"], z_link=z_link, **rule))
@@ -80,10 +80,6 @@ def _stage(stats: dict, links: dict[tuple[int, int], LinkFinding]) -> PipelineSt
 
     return PipelineStage(links=links, producer_wait_ms=per_rank(stats["producer_wait"]),
                          receive_wait_ms=per_rank(stats["receive_wait"]))
-
-
-def _rows(t: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, np.ndarray]:
-    return {name: column[keep] for name, column in t.items()}
 
 
 def _delivery(t: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

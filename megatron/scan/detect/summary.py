@@ -31,24 +31,20 @@ import numpy as np
 
 from megatron.scan.detect import compute_stats
 from megatron.scan.detect.collective import LATE_COLUMNS, merge_stats, one_stage_rows, resolve_arrivals
-from megatron.scan.detect.model import DetectionInput
+from megatron.scan.detect.model import DetectionInput, table_rows
 from megatron.scan.detect.p2p import MANY_LINKS, link_classes, link_plan, merge_link_stats, reduce_links
 from megatron.scan.detect.reference import reference_ranks, sampled
 
 _PER_RANK = ("compute", "iteration_time", "layers", "host")
 
 
-def _rows(table: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, np.ndarray]:
-    return {name: column[keep] for name, column in table.items()}
-
-
 def restrict(data: DetectionInput, ranks) -> DetectionInput:
     """The part of `data` a set of ranks would have recorded: their rows of every table (P2P
     messages by receiver; collective rows of their own participations)."""
     ranks = np.asarray(sorted(int(r) for r in ranks), dtype=np.int64)
-    part = {name: _rows(getattr(data, name), np.isin(getattr(data, name)["rank"], ranks)) for name in _PER_RANK}
-    return replace(data, **part, p2p=_rows(data.p2p, np.isin(data.p2p["dst"], ranks)),
-                   collectives=_rows(data.collectives, np.isin(data.collectives["rank"], ranks)),
+    part = {name: table_rows(getattr(data, name), np.isin(getattr(data, name)["rank"], ranks)) for name in _PER_RANK}
+    return replace(data, **part, p2p=table_rows(data.p2p, np.isin(data.p2p["dst"], ranks)),
+                   collectives=table_rows(data.collectives, np.isin(data.collectives["rank"], ranks)),
                    roles={r: data.roles[r] for r in ranks.tolist() if r in data.roles},
                    gpu={r: g for r, g in data.gpu.items() if r in set(ranks.tolist())}, arrivals=None)
 
@@ -104,10 +100,10 @@ def node_report(part: DetectionInput) -> dict[str, Any]:
     else:
         local = np.zeros(0, dtype=bool)
     stats, late, instances = resolve_arrivals(c, local & one_stage_rows(part, c))
-    nothing = {name: _rows(getattr(part, name), np.zeros(len(getattr(part, name)["rank"]), dtype=bool))
+    nothing = {name: table_rows(getattr(part, name), np.zeros(len(getattr(part, name)["rank"]), dtype=bool))
                for name in ("compute", "layers")}
-    kept = replace(part, collectives=_rows(c, ~local), arrivals=None, **nothing,
-                   p2p=_rows(part.p2p, np.zeros(len(part.p2p["dst"]), dtype=bool)))
+    kept = replace(part, collectives=table_rows(c, ~local), arrivals=None, **nothing,
+                   p2p=table_rows(part.p2p, np.zeros(len(part.p2p["dst"]), dtype=bool)))
     return {"part": kept, "arrivals": {"stats": stats, "late": late, "instances": instances},
             "compute": compute_stats.node_report(part), "links": link_classes(part.p2p)}
 
@@ -119,9 +115,9 @@ def reference_of(reports: list[dict[str, Any]]) -> np.ndarray:
 
 def reference_rows(part: DetectionInput, reference: np.ndarray) -> dict[str, dict[str, np.ndarray]]:
     """Round 2 on a node: the reference ranks' task and layer rows and the messages they received."""
-    return {"compute": _rows(part.compute, np.isin(part.compute["rank"], reference)),
-            "layers": _rows(part.layers, np.isin(part.layers["rank"], reference)),
-            "p2p": _rows(part.p2p, np.isin(part.p2p["dst"], reference))}
+    return {"compute": table_rows(part.compute, np.isin(part.compute["rank"], reference)),
+            "layers": table_rows(part.layers, np.isin(part.layers["rank"], reference)),
+            "p2p": table_rows(part.p2p, np.isin(part.p2p["dst"], reference))}
 
 
 def make_plan(reports: list[dict[str, Any]], rows: list[dict]) -> tuple[DetectionInput, dict]:
