@@ -90,10 +90,17 @@ def chance_of_late_run(pool: np.ndarray, later: np.ndarray, tests: int,
 def _binomial_tail(count: int, n: int, q: np.ndarray) -> np.ndarray:
     """P(Binomial(n, q) >= count), elementwise over q (a sum of at most n terms, in logs)."""
     q = np.clip(np.asarray(q, dtype=np.float64), 1e-300, 1.0 - 1e-16)
-    total = np.zeros_like(q)
-    for i in range(max(count, 0), n + 1):
-        total += np.exp(lgamma(n + 1) - lgamma(i + 1) - lgamma(n - i + 1) + i * np.log(q) + (n - i) * np.log1p(-q))
-    return np.minimum(total, 1.0)
+    if max(count, 0) > n:
+        return np.zeros_like(q)
+    # Every term at once (rank 0 calls this once per rank): a row per count i, added in order.
+    i = np.arange(max(count, 0), n + 1)
+    coefficient = np.array([lgamma(n + 1) - lgamma(k + 1) - lgamma(n - k + 1) for k in i.tolist()])
+    flat = q.reshape(-1)
+    terms = np.exp(coefficient[:, None] + i[:, None] * np.log(flat) + (n - i)[:, None] * np.log1p(-flat))
+    total = terms[0].copy()
+    for row in terms[1:]:  # in order, as a running sum (a reduction may add pairwise)
+        total += row
+    return np.minimum(total, 1.0).reshape(q.shape)
 
 
 # Grid of a rank's persistent level (in its standard deviations) the chance of a median averages
