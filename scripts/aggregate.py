@@ -16,6 +16,7 @@ from megatron.scan.cli import (  # noqa: E402
     suspects_in,
     write_focus,
 )
+from megatron.scan.load import retain_freed_memory  # noqa: E402
 
 
 def main() -> int:
@@ -28,6 +29,7 @@ def main() -> int:
                         "merged trace: writes DIR/abnormal.json, abnormal.txt, detection.txt and report.html")
     add_aggregate_arguments(parser)
     args = parser.parse_args()
+    retain_freed_memory()
     status, result, _, trace_format = aggregate_and_write(args.benchmark_dir, args.output, args)
     if status != 0:
         return status

@@ -238,6 +238,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
                    help="how long to wait for rank 0's answer (0: do not wait)")
     args = parser.parse_args(argv)
+    if args.command in ("detect", "aggregate"):
+        from megatron.scan.load import retain_freed_memory
+
+        retain_freed_memory()
     if args.command == "capture":
         return run_capture(args)
     if args.command == "fault":
