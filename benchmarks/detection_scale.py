@@ -40,6 +40,7 @@ from megatron.scan.detect import detect  # noqa: E402
 from megatron.scan.detect.host import host_starvation  # noqa: E402
 from megatron.scan.detect.online import MIN_ITERATIONS, RECENT_ITERATIONS, Confirmation  # noqa: E402
 from megatron.scan.detect.summary import split_by_node, summarize_in_process  # noqa: E402
+from megatron.scan.load import retain_freed_memory  # noqa: E402
 from megatron.scan.synthetic_job import Fault, JobSpec, synthesize  # noqa: E402
 
 LAYOUTS = {64: (2, 4, 8), 256: (4, 4, 16), 1024: (8, 8, 16), 4096: (8, 8, 64), 16384: (8, 8, 256)}
@@ -129,6 +130,7 @@ def until(data, end: int):
 
 def run_job(arguments: tuple) -> dict:
     size, index, seed, iterations, online_window, check, paths, scenarios, online_iterations = arguments
+    retain_freed_memory()  # as the analysis processes (detect, aggregate, online) do
     spec, scenario = job(size, index, seed, iterations, scenarios, traced=online_iterations)
     started = time.perf_counter()
     whole, truth = synthesize(spec)

@@ -154,6 +154,9 @@ def serve() -> None:
     stdout; anything printed goes to stderr. Each request carries the thresholds in force (they
     can change while the job runs: `python -m megatron.scan capture --online-detect-confirm`). It ends when stdin closes: when rank 0 closes it,
     or when rank 0 dies (the pipe closes with it, so nothing is left behind)."""
+    from megatron.scan.load import retain_freed_memory
+
+    retain_freed_memory()  # this process only analyses: arrays reused, not faulted in again each time
     trace_dir, world_size, wait_s = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     confirm = Confirmation()
     answers = os.fdopen(os.dup(1), "w")
