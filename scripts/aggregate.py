@@ -29,7 +29,6 @@ def main() -> int:
                         "merged trace: writes DIR/abnormal.json, abnormal.txt, detection.txt and report.html")
     add_aggregate_arguments(parser)
     args = parser.parse_args()
-    retain_freed_memory()
     status, result, _, trace_format = aggregate_and_write(args.benchmark_dir, args.output, args)
     if status != 0:
         return status
@@ -50,4 +49,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    retain_freed_memory()  # this process is the analysis's own
     sys.exit(main())

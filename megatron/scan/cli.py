@@ -238,7 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
                    help="how long to wait for rank 0's answer (0: do not wait)")
     args = parser.parse_args(argv)
-    if args.command in ("detect", "aggregate"):
+    if argv is None and args.command in ("detect", "aggregate"):
+        # Run as a program (python -m megatron.scan), the process is the analysis's own; a caller
+        # that passes its arguments keeps its allocator as it is.
         from megatron.scan.load import retain_freed_memory
 
         retain_freed_memory()
