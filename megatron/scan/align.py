@@ -346,8 +346,8 @@ def _tables(trace: GlobalTrace, domains: ClockDomains, bases: np.ndarray,
         domain, value = domain[order], value[order]
         first = np.flatnonzero(np.r_[True, domain[1:] != domain[:-1]])
         count = np.diff(np.r_[first, len(domain)])
-        low, high = value[first + (count - 1) // 2], value[first + count // 2]
-        offset[domain[first], :] = np.where(low == high, low, (low + high) / 2)[:, None]
+        # the middle value, or the mean of the two middle ones (x + x halves back to x exactly)
+        offset[domain[first], :] = ((value[first + (count - 1) // 2] + value[first + count // 2]) / 2)[:, None]
     for (domain, window), (value, rate) in corrections.items():
         if window < bases.shape[1]:
             offset[domain, window], drift[domain, window] = value, rate
@@ -359,8 +359,13 @@ def _correction_ns(trace: GlobalTrace, domains: ClockDomains, tables, rows: np.n
     """What to subtract from `times` (of event `rows`) to put them on the aligned clock."""
     offset, drift, base = tables
     domain, window = domains.of_rank[trace.columns["rank"][rows]], trace.columns["window"][rows]
-    tau_s = (times - base[domain, window]) / 1e9
-    return np.round((offset[domain, window] + drift[domain, window] * tau_s) * 1e3).astype(np.int64)
+    return _shift_ns(offset[domain, window], drift[domain, window], base[domain, window], times)
+
+
+def _shift_ns(offset_us: np.ndarray, drift_ppm: np.ndarray, base_ns: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """A clock's correction at `times` (ns): its offset plus its drift since the window's origin."""
+    tau_s = (times - base_ns) / 1e9
+    return np.round((offset_us + drift_ppm * tau_s) * 1e3).astype(np.int64)
 
 
 def _apply(trace: GlobalTrace, domains: ClockDomains, tables) -> None:
@@ -373,5 +378,4 @@ def _apply(trace: GlobalTrace, domains: ClockDomains, tables) -> None:
     row_offset, row_drift, row_base = offset.ravel()[cell], drift.ravel()[cell], base.ravel()[cell]
     del cell
     for column in ("start", "end"):
-        tau_s = (c[column] - row_base) / 1e9
-        c[column] -= np.round((row_offset + row_drift * tau_s) * 1e3).astype(np.int64)
+        c[column] -= _shift_ns(row_offset, row_drift, row_base, c[column])

@@ -52,8 +52,9 @@ class GlobalTrace:
 
 
 # What merge() keeps of a rank file's columns, in the types it keeps them in. The loading
-# processes narrow the columns to these before sending them (1.3 GB instead of 2.3 at 4,096
-# ranks x 20 iterations); the monotonic start_ns/end_ns are not merged (wall times are).
+# processes narrow the columns to these before sending them (72 bytes per event instead of 124:
+# 1.3 GB instead of 2.3 for 4,096 ranks x 20 iterations, by the column sizes); the monotonic
+# start_ns/end_ns are not merged (wall times are).
 MERGED_TYPES = {"name": np.int32, "dtype": np.int32, "group": np.int32, "seq": np.int64, "bytes": np.int64,
                 "start_wall_ns": np.int64, "end_wall_ns": np.int64,
                 **{c: np.int32 for c in ("iteration", "microbatch", "chunk", "peer", "layer", "flags", "window")}}
@@ -90,7 +91,7 @@ def retain_freed_memory() -> bool:
     the kernel. glibc maps every array over 32 MB afresh and unmaps it when freed, so each of the
     hundreds of arrays of millions of rows faults its pages in again: 25 of the 59 s from 4,096
     ranks' files to a verdict were system time, 11 s with this (45 s in all, peak memory 5.5 GB
-    instead of 5.2); one online analysis of 4,096 ranks took 6.8 s instead of 9.2. The price: the
+    instead of 5.2); one online analysis of 4,096 ranks took 6.7 s instead of 9.2. The price: the
     process keeps its peak memory between analyses. False where the C library is not glibc;
     nothing changes there."""
     import ctypes
@@ -285,8 +286,8 @@ def merge(by_rank: dict[int, RankFile], progress: Reporter = SILENT) -> GlobalTr
         parts["group"].append(group_map[c["group"]])
         for column in MERGED_TYPES.keys() - {"name", "dtype", "group"}:
             parts[column].append(c[column].astype(MERGED_TYPES[column], copy=False))  # the loaders narrowed them
-    # Concatenated, not written into arrays made empty first: the matching that follows ran 1.5x
-    # slower on those at 4,096 ranks (measured, 2026-11-28; same values).
+    # Concatenated: with the columns written into arrays made empty first, the matching that
+    # follows took 5.5-7.0 s instead of 4.2 at 4,096 ranks (same values).
     columns = {column: np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtypes[column])
                for column, arrays in parts.items()}
     columns["start"] = columns.pop("start_wall_ns")
