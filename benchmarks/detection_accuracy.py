@@ -421,19 +421,21 @@ def replay_windows(directory: Path, confirm_analyses: int = 2):
     what --online-detect saw after each window of that run (the same code on the same bytes; only
     the analysis process's own CPU use, which runs at idle priority, is missing). Alerts are those
     Confirmation(confirm_analyses) reports, as --online-detect-confirm does live."""
-    from megatron.scan.detect.online import MIN_ITERATIONS, Confirmation, WindowCounter, analyze
+    from megatron.scan.detect.incremental import WindowedInput
+    from megatron.scan.detect.online import MIN_ITERATIONS, Confirmation, analyze
 
     lines = {path.name: path.read_bytes().splitlines(keepends=True)
              for path in directory.glob("benchmark-data-*.json")}
-    ends = {name: [i + 1 for i, line in enumerate(rows) if line.startswith(WindowCounter.MARK)]
+    ends = {name: [i + 1 for i, line in enumerate(rows) if line.startswith(b'{"type":"window"')]
             for name, rows in lines.items()}
     fitted: dict = {}
     confirm = Confirmation(confirm_analyses)
     with tempfile.TemporaryDirectory() as scratch:
+        source = WindowedInput(scratch)  # as the analysis process reads the growing files
         for k in range(MIN_ITERATIONS, min(len(e) for e in ends.values()) + 1):
             for name, rows in lines.items():
                 (Path(scratch) / name).write_bytes(b"".join(rows[:ends[name][k - 1]]))
-            result = analyze(scratch, k - 1, k - 1, fitted)
+            result = analyze(scratch, k - 1, k - 1, fitted, source=source)
             yield k, confirm((result or {}).get("alerts", []))[0]
 
 

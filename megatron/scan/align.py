@@ -68,6 +68,8 @@ class Alignment:
     before: dict | None = None  # figures on the raw clocks (align_check.Judge.figures)
     after: dict | None = None  # and on the aligned ones
     notes: list[str] = field(default_factory=list)
+    # Judge.measures on the raw clocks and on the aligned ones, what `before` and `after` summarize
+    measures: tuple | None = None
 
     def as_dict(self) -> dict:
         return {"clock_domains": self.clock_domains, "notes": self.notes, "anchors": self.anchors,
@@ -134,11 +136,11 @@ class _Fit:
 
 def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = None, *,
           allow_drift: bool = True, fitted: dict[tuple[int, int], tuple[float, float]] | None = None,
-          progress: Progress | None = None) -> Alignment:
+          progress: Progress | None = None, whole: bool = True) -> Alignment:
     """Estimate per-(host, window) corrections and apply them to trace.columns start/end in place.
 
     `fitted`: {(rank, window): (offset µs, drift ppm)} from an earlier fit of the same files (online
-    detection re-reads a growing directory every window). Anchors tie clocks only within a window,
+    detection reading a growing directory whole, as it does a restarted job's). Anchors tie clocks only within a window,
     so a window that every rank has in `fitted` is not fitted again: its corrections are reused and
     only the new windows cost a fit.
 
@@ -146,7 +148,10 @@ def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = N
     when (by pass 1's clocks) the send was posted: such a receive finishes as the message lands,
     so send end and receive end are a 2-member anchor. Messages flow both ways between stages, so
     the transfer latency cancels; these anchors tie pipeline stages together far more densely than
-    the one or two collectives per iteration that span stages. `progress` counts the solver steps."""
+    the one or two collectives per iteration that span stages. `progress` counts the solver steps.
+    `whole` False: the trace is some windows of a larger one (online detection builds a growing
+    directory's windows apart), so the guard that keeps every clock raw when the whole trace's
+    figures end worse is left to the caller, who has them all (Alignment.measures)."""
     c = trace.columns
     domains = clock_domains(trace)
     bases = _bases(trace, domains)
@@ -203,13 +208,15 @@ def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = N
     kept_raw, kept_notes = judge.keep_raw_where_worse(
         fit.corrections, fitted_now,
         lambda corrections: _correction_ns(trace, domains, _tables(trace, domains, bases, corrections),
-                                           judge.rows, judge.times), domains.of_rank, domains.labels)
+                                           judge.rows, judge.times), domains.of_rank, domains.labels, whole)
     tables = _tables(trace, domains, bases, fit.corrections)
     shift = _correction_ns(trace, domains, tables, judge.rows, judge.times)
     before, after = judge.figures(np.zeros_like(shift)), judge.figures(shift)
     _apply(trace, domains, tables)
-    return _report(trace, domains, fit, kept_raw, rows, p2p_anchors, before, after,
-                   ([domains.note] if domains.note else []) + notes + kept_notes)
+    alignment = _report(trace, domains, fit, kept_raw, rows, p2p_anchors, before, after,
+                        ([domains.note] if domains.note else []) + notes + kept_notes)
+    alignment.measures = (judge.measures(np.zeros_like(shift)), judge.measures(shift))
+    return alignment
 
 
 def _report(trace: GlobalTrace, domains: ClockDomains, fit: _Fit, kept_raw: set[tuple[int, int]], rows: np.ndarray,

@@ -62,34 +62,33 @@ class Judge:
         self.rank = c["rank"][self.rows].astype(np.int64)
         self._split = (len(coll), len(coll) + len(send))
 
-    def figures(self, shift: np.ndarray, window: int | None = None, exact: bool = False) -> dict:
-        """The figures (of one window, or all): spreads in µs, rounded to the ns unless `exact`."""
+    def measures(self, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per collective instance its finish spread (ns), per P2P message whether it broke
+        causality, with `shift` (ns) subtracted from the times."""
         t = self.times - shift
         a, b = self._split
         if a:
             spread = np.maximum.reduceat(t[:a], self._starts) - np.minimum.reduceat(t[:a], self._starts)
         else:
             spread = np.zeros(0, dtype=np.int64)
-        violated = t[b:] < t[a:b]
+        return spread, t[b:] < t[a:b]
+
+    def figures(self, shift: np.ndarray, window: int | None = None, exact: bool = False) -> dict:
+        """The figures (of one window, or all): spreads in µs, rounded to the ns unless `exact`."""
+        spread, violated = self.measures(shift)
         if window is not None:
             spread, violated = spread[self.instance_window == window], violated[self.message_window == window]
-        result = {"collective_instances": int(len(spread)), "finish_spread_us_median": None,
-                  "finish_spread_us_p95": None, "p2p_messages": int(len(violated)),
-                  "causality_violations": int(violated.sum())}
-        if len(spread):
-            median, p95 = float(np.median(spread)) / 1e3, float(np.percentile(spread, 95)) / 1e3
-            result["finish_spread_us_median"] = median if exact else round(median, 3)
-            result["finish_spread_us_p95"] = p95 if exact else round(p95, 3)
-        return result
+        return summarize(spread, violated, exact)
 
     def keep_raw_where_worse(self, corrections: dict[tuple[int, int], tuple[float, float]], windows: set[int],
-                             shift_of: Callable[[dict], np.ndarray], of_rank: np.ndarray, labels: list[str]
-                             ) -> tuple[set[tuple[int, int]], list[str]]:
+                             shift_of: Callable[[dict], np.ndarray], of_rank: np.ndarray, labels: list[str],
+                             whole: bool = True) -> tuple[set[tuple[int, int]], list[str]]:
         """Drop (set to 0) the corrections {(domain, window): (offset µs, drift ppm)} of `windows`
         that make that window's figures worse than its raw clocks; then, should the whole trace's
         figures still be worse (medians and percentiles do not add up over windows), every
-        correction. `shift_of(corrections)` gives the shift of `rows`. Returns the (domain, window)
-        pairs put back on raw clocks and a note for each decision."""
+        correction (unless not `whole`: the trace is part of one judged later, see
+        detect.incremental). `shift_of(corrections)` gives the shift of `rows`. Returns the
+        (domain, window) pairs put back on raw clocks and a note for each decision."""
         raw = np.zeros(len(self.rows), dtype=np.int64)
         domain = of_rank[self.rank]
         shift = shift_of(corrections)
@@ -136,13 +135,25 @@ class Judge:
                 corrections[(d, window)] = (0.0, 0.0)
                 kept.add((d, window))
             shift = shift_of(corrections)
-        if worse(self.figures(shift, exact=True), self.figures(raw, exact=True)):
+        if whole and worse(self.figures(shift, exact=True), self.figures(raw, exact=True)):
             for key, value in corrections.items():
                 if any(value):
                     corrections[key] = (0.0, 0.0)
                     kept.add(key)
             notes.append("the corrections together made the whole trace's figures worse: every clock kept raw")
         return kept, notes
+
+
+def summarize(spread: np.ndarray, violated: np.ndarray, exact: bool = False) -> dict:
+    """The figures of collective finish spreads (ns) and P2P causality breaks (Judge.measures)."""
+    result = {"collective_instances": int(len(spread)), "finish_spread_us_median": None,
+              "finish_spread_us_p95": None, "p2p_messages": int(len(violated)),
+              "causality_violations": int(violated.sum())}
+    if len(spread):
+        median, p95 = float(np.median(spread)) / 1e3, float(np.percentile(spread, 95)) / 1e3
+        result["finish_spread_us_median"] = median if exact else round(median, 3)
+        result["finish_spread_us_p95"] = p95 if exact else round(p95, 3)
+    return result
 
 
 # Operations whose every participant needs every other's input, so none finishes on one rank

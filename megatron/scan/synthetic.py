@@ -44,6 +44,7 @@ class SyntheticRun:
     noise_us: float = 2.0  # measurement noise on every timestamp
     seed: int = 0
     run_id: str = ""
+    window_iterations: int | None = None  # iterations per traced window (default: one window of them all)
 
     @property
     def world_size(self) -> int:
@@ -169,19 +170,21 @@ def generate(run: SyntheticRun, directory: str | os.PathLike) -> list[Path]:
     group_table = {gid: {"name": str(gid + 1), "ranks": list(ranks), "desc": kind} for (kind, ranks), gid in groups.items()}
     paths = []
     wall_epoch = 1_700_000_000 * 10**9
-    window_start, window_end = iteration_bounds[0][0] - 100 * _US, iteration_bounds[-1][1] + 100 * _US
+    per_window = run.window_iterations or run.iterations
+    windows = [(first, min(first + per_window, run.iterations) - 1) for first in range(0, run.iterations, per_window)]
+    bounds = [(iteration_bounds[first][0] - 100 * _US, iteration_bounds[last][1] + 100 * _US) for first, last in windows]
     for dp in range(run.dp):
         for p in range(run.pp):
             for t in range(run.tp):
                 r = run.rank(dp, p, t)
                 paths.append(_write_rank(directory / trace_file_name(dp, p, t), run, r, (dp, p, t), run_id, events[r],
-                                         group_table, rng, wall_epoch, window_start, window_end))
+                                         group_table, rng, wall_epoch, windows, bounds))
     return paths
 
 
 def _write_rank(path: Path, run: SyntheticRun, rank: int, coordinates: tuple[int, int, int], run_id: str,
-                events: _Events, group_table: dict, rng, wall_epoch: int, window_start: float,
-                window_end: float) -> Path:
+                events: _Events, group_table: dict, rng, wall_epoch: int, windows: list[tuple[int, int]],
+                bounds: list[tuple[float, float]]) -> Path:
     drift = run.drift_ppm.get(rank, 0.0) * 1e-6
     offset_ns = run.offsets_ms.get(rank, 0.0) * 1e6
     mono_base = float(rng.integers(10**12, 10**13))  # each host's monotonic clock starts anywhere
@@ -194,25 +197,32 @@ def _write_rank(path: Path, run: SyntheticRun, rank: int, coordinates: tuple[int
 
     rows = np.array(events.rows, dtype=np.float64).reshape(-1, 2 + len(INT_COLUMNS))
     noise = rng.normal(0.0, run.noise_us * _US, size=(len(rows), 2)) if run.noise_us else 0.0
-    t0 = pair(window_start)
-    times = monotonic(rows[:, 1:3] + noise) - t0["monotonic_ns"]
-    columns = {"name": rows[:, 0].astype(np.int64).tolist()}
-    columns["start_ns"] = np.round(times[:, 0]).astype(np.int64).tolist()
-    columns["end_ns"] = np.round(np.maximum(times[:, 1], times[:, 0])).astype(np.int64).tolist()
-    for i, column in enumerate(INT_COLUMNS[2:], start=3):
-        columns[column] = rows[:, i].astype(np.int64).tolist()
-    columns["dtype"] = rows[:, -1].astype(np.int64).tolist()
-    used = sorted({g for g in columns["group"] if g >= 0})
+    true_times = rows[:, 1:3] + noise
     dp, pp, tp = coordinates
-    header = {"type": "header", "format": FORMAT, "version": VERSION, "run_id": run_id, "rank": rank,
-              "world_size": run.world_size, "coordinates": {"dp": dp, "pp": pp, "tp": tp},
-              "sizes": {"dp": run.dp, "pp": run.pp, "tp": run.tp, "vpp": 1}, "host": f"synthetic-{rank // 8}",
-              "pid": 0, "clock_reference": t0, "device": "synthetic", "timing": "synthetic",
-              "trace": {"interval": run.iterations, "continuous": run.iterations, "granularity": "coarse"},
-              "synthetic": {"offset_ms": run.offsets_ms.get(rank, 0.0), "drift_ppm": run.drift_ppm.get(rank, 0.0)}}
-    window = window_line(window=0, iterations=[0, run.iterations - 1], clock_start=t0, clock_end=pair(window_end),
-                         names=_NAMES, groups={str(g): group_table[g] for g in used}, events=columns)
-    write_lines(path, [header, window, {"type": "end", "windows": 1}])
+    lines = []
+    for index, ((first, last), (start, end)) in enumerate(zip(windows, bounds)):
+        t0 = pair(start)
+        if not lines:
+            header = {"type": "header", "format": FORMAT, "version": VERSION, "run_id": run_id, "rank": rank,
+                      "world_size": run.world_size, "coordinates": {"dp": dp, "pp": pp, "tp": tp},
+                      "sizes": {"dp": run.dp, "pp": run.pp, "tp": run.tp, "vpp": 1}, "host": f"synthetic-{rank // 8}",
+                      "pid": 0, "clock_reference": t0, "device": "synthetic", "timing": "synthetic",
+                      "trace": {"interval": run.iterations, "continuous": run.iterations, "granularity": "coarse"},
+                      "synthetic": {"offset_ms": run.offsets_ms.get(rank, 0.0), "drift_ppm": run.drift_ppm.get(rank, 0.0)}}
+            lines.append(header)
+        keep = (rows[:, 3] >= first) & (rows[:, 3] <= last)
+        times = monotonic(true_times[keep]) - t0["monotonic_ns"]
+        columns = {"name": rows[keep, 0].astype(np.int64).tolist()}
+        columns["start_ns"] = np.round(times[:, 0]).astype(np.int64).tolist()
+        columns["end_ns"] = np.round(np.maximum(times[:, 1], times[:, 0])).astype(np.int64).tolist()
+        for i, column in enumerate(INT_COLUMNS[2:], start=3):
+            columns[column] = rows[keep, i].astype(np.int64).tolist()
+        columns["dtype"] = rows[keep, -1].astype(np.int64).tolist()
+        used = sorted({g for g in columns["group"] if g >= 0})
+        lines.append(window_line(window=index, iterations=[first, last], clock_start=t0, clock_end=pair(end),
+                                 names=_NAMES, groups={str(g): group_table[g] for g in used}, events=columns))
+    lines.append({"type": "end", "windows": len(windows)})
+    write_lines(path, lines)
     return path
 
 
@@ -239,12 +249,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drift", action="append", default=[], metavar="RANK:PPM", help="clock drift of a rank")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the timing jitter and noise (default %(default)s)")
+    parser.add_argument("--window", type=int, default=None, metavar="N",
+                        help="iterations per traced window, as --trace-interval writes them (default: one window of "
+                             "every iteration)")
 
 
 def run(args: argparse.Namespace) -> int:
     spec = SyntheticRun(tp=args.tp, pp=args.pp, dp=args.dp, iterations=args.iterations, microbatches=args.microbatches,
                         offsets_ms=_parse_mapping(args.offset, "--offset"), drift_ppm=_parse_mapping(args.drift, "--drift"),
-                        seed=args.seed)
+                        seed=args.seed, window_iterations=args.window)
+    if args.window is not None and args.window < 1:
+        raise SystemExit(f"error: --window {args.window}: a window holds at least 1 iteration")
     paths = generate(spec, args.directory)
     print(f"wrote {len(paths)} synthetic rank traces to {args.directory}")
     return 0

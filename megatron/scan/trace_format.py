@@ -341,8 +341,41 @@ def read_rank_file(path: str | os.PathLike) -> RankFile:
         lines.pop()
     if not lines:
         raise TraceFormatError(f"{path}: empty file, not a MegaScan trace")
+    header = parse_header(path, lines[0])
+    warnings: list[str] = []
+    names: dict[str, int] = {}
+    groups: dict[tuple, int] = {}
+    windows: list[dict[str, Any]] = []
+    parts: dict[str, list[np.ndarray]] = {c: [] for c in (*COLUMNS, "window", "start_wall_ns", "end_wall_ns")}
+    ended = False
+    for number, raw in enumerate(lines[1:], start=2):
+        try:
+            record = parse_record(raw, names, groups)
+        except RECORD_ERRORS as exc:
+            if number == len(lines):
+                warnings.append(f"{path}: last line (window in progress when the rank stopped) is torn; ignored")
+                break
+            raise TraceFormatError(f"{path}: line {number} is not a valid window record ({exc!r:.80})") from None
+        if record["type"] == "end":
+            ended = True
+        if record["type"] != "window":
+            continue
+        record["columns"]["window"][:] = len(windows)
+        for column, values in record["columns"].items():
+            parts[column].append(values)
+        windows.append(record["meta"])
+    columns = {c: (np.concatenate(v) if v else np.zeros(0, dtype=np.int64)) for c, v in parts.items()}
+    group_list = [None] * len(groups)
+    for (name, ranks, desc), index in groups.items():
+        group_list[index] = {"name": name, "ranks": list(ranks), "desc": desc}
+    return RankFile(path=path, header=header, windows=windows, names=list(names), groups=group_list,
+                    columns=columns, ended=ended, warnings=warnings)
+
+
+def parse_header(path: str, raw: bytes) -> dict[str, Any]:
+    """A trace file's first line, checked: TraceFormatError says what is wrong with it."""
     try:
-        header = json.loads(lines[0])
+        header = json.loads(raw)
     except ValueError:  # JSONDecodeError, or bytes that are not text at all
         raise TraceFormatError(f"{path}: first line is not JSON, not a MegaScan trace") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
@@ -352,38 +385,25 @@ def read_rank_file(path: str | os.PathLike) -> RankFile:
     for key in ("rank", "world_size", "run_id"):
         if key not in header:
             raise TraceFormatError(f"{path}: header lacks {key!r}")
-    warnings: list[str] = []
-    names: dict[str, int] = {}
-    groups: dict[tuple, int] = {}
-    windows: list[dict[str, Any]] = []
-    parts: dict[str, list[np.ndarray]] = {c: [] for c in (*COLUMNS, "window", "start_wall_ns", "end_wall_ns")}
-    ended = False
-    for number, raw in enumerate(lines[1:], start=2):
-        try:
-            record = _parse_line(raw)
-            kind = record.get("type")
-            if kind == "end":
-                ended = True
-                continue
-            if kind != "window":
-                continue
-            meta = {k: record[k] for k in ("window", "iterations", "clock", "metrics", "dropped")}
-            staged = {c: [] for c in parts}
-            _append_window(record, len(windows), names, groups, staged)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-            if number == len(lines):
-                warnings.append(f"{path}: last line (window in progress when the rank stopped) is torn; ignored")
-                break
-            raise TraceFormatError(f"{path}: line {number} is not a valid window record ({exc!r:.80})") from None
-        for column, arrays in staged.items():
-            parts[column].extend(arrays)
-        windows.append(meta)
-    columns = {c: (np.concatenate(v) if v else np.zeros(0, dtype=np.int64)) for c, v in parts.items()}
-    group_list = [None] * len(groups)
-    for (name, ranks, desc), index in groups.items():
-        group_list[index] = {"name": name, "ranks": list(ranks), "desc": desc}
-    return RankFile(path=path, header=header, windows=windows, names=list(names), groups=group_list,
-                    columns=columns, ended=ended, warnings=warnings)
+    return header
+
+
+# What a line that is not a valid record raises while parse_record reads it.
+RECORD_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError)
+
+
+def parse_record(raw: bytes, names: dict[str, int], groups: dict[tuple, int]) -> dict[str, Any]:
+    """One line after the header, as {"type": ...}; a window's also holds its metadata (`meta`)
+    and event columns (`columns`, window index 0), its names and groups interned into the file's
+    `names` and `groups`. Raises one of RECORD_ERRORS for a line that is not a valid record."""
+    record = _parse_line(raw)
+    kind = record.get("type")
+    if kind != "window":
+        return {"type": kind}
+    meta = {k: record[k] for k in ("window", "iterations", "clock", "metrics", "dropped")}
+    staged: dict[str, list[np.ndarray]] = {c: [] for c in (*COLUMNS, "window", "start_wall_ns", "end_wall_ns")}
+    _append_window(record, 0, names, groups, staged)
+    return {"type": kind, "meta": meta, "columns": {c: v[0] for c, v in staged.items()}}
 
 
 def _parse_line(raw: bytes) -> Any:

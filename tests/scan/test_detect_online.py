@@ -17,7 +17,7 @@ import pytest
 
 from fault_runs import Scenario, Throttle, run
 from launch import torchrun
-from megatron.scan.detect.online import Confirmation, OnlineDetector, WindowCounter
+from megatron.scan.detect.online import Confirmation, OnlineDetector
 
 ONSET = 3
 
@@ -82,28 +82,6 @@ def test_a_pp_only_job_traced_coarse_is_told_what_per_layer_spans_add(tmp_path):
     note = "no pipeline stage has a peer"
     assert coarse.stderr.count(note) == 1 and "--trace-granularity full" in coarse.stderr
     assert note not in full.stderr
-
-
-def test_window_counter_reads_only_what_was_appended_and_waits_for_unfinished_lines(tmp_path):
-    """The analysis process waits until every rank's file holds the window it was asked about; a
-    window line still being written is not counted until its newline arrives."""
-    files = [tmp_path / f"benchmark-data-{r}-pipeline-0-tensor-0.json" for r in range(2)]
-    for f in files:
-        f.write_bytes(b'{"type":"header"}\n{"type":"window","iteration":0}\n')
-    counter = WindowCounter(tmp_path)
-    assert counter.counts() == {f.name: 1 for f in files}
-    with open(files[1], "ab") as f:
-        f.write(b'{"type":"window","itera')  # torn: the writer has not finished the line
-    assert counter.counts()[files[1].name] == 1
-    with open(files[1], "ab") as f:
-        f.write(b'tion":1}\n{"type":"event"}\n')
-    assert counter.counts()[files[1].name] == 2
-    start = time.monotonic()
-    counter.wait_for(world_size=2, windows=2, wait_s=0.5, poll_s=0.05)  # rank 0's second window never comes
-    assert time.monotonic() - start >= 0.5
-    start = time.monotonic()
-    counter.wait_for(world_size=2, windows=1, wait_s=5.0)
-    assert time.monotonic() - start < 1.0
 
 
 def _ended(pid: int) -> bool:

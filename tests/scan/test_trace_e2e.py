@@ -130,8 +130,9 @@ def test_clock_alignment_recovers_the_skewed_rank(aggregated_tp2_pp2, traced_tp2
 
 
 def test_windows_aligned_before_are_reused_not_fitted_again(aggregated_tp2_pp2, traced_tp2_pp2):
-    """Online detection re-reads the growing directory every window: with window 0's corrections
-    from an earlier fit, only window 1 is fitted, and the aligned times are the same."""
+    """Where online detection reads the growing directory whole (a restarted job's attempts): with
+    window 0's corrections from an earlier fit, only window 1 is fitted, and the aligned times are
+    the same."""
     from megatron.scan.aggregate import aggregate
     from megatron.scan.align import fitted_windows
 

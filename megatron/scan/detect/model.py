@@ -247,13 +247,18 @@ def _tensor_parallel_start(c: dict[str, np.ndarray], rows: np.ndarray, roles: di
     return latest[inverse]
 
 
+def roles_of(headers: dict[int, dict[str, Any]]) -> dict[int, RankRole]:
+    """Each rank's place in the job, from its trace file's header."""
+    return {r: RankRole(rank=r, host=str(h.get("host", "")), role=str(h.get("role", "") or ""),
+                        **{k: int(h["coordinates"][k]) for k in ("dp", "pp", "tp")})
+            for r, h in headers.items()}
+
+
 def from_aggregation(aggregation: Any) -> DetectionInput:
     """Tables from an `Aggregation` (loaded, matched and clock-aligned trace directory)."""
     trace, collectives, p2p = aggregation.trace, aggregation.collectives, aggregation.p2p
     c = trace.columns
-    roles = {r: RankRole(rank=r, host=str(h.get("host", "")), role=str(h.get("role", "") or ""),
-                         **{k: int(h["coordinates"][k]) for k in ("dp", "pp", "tp")})
-             for r, h in trace.ranks.items()}
+    roles = roles_of(trace.ranks)
     first = next(iter(trace.ranks.values()))
     sizes = {k: int(first["sizes"][k]) for k in ("dp", "pp", "tp")}
     compute_ids = trace.ids(COMPUTE_SPANS)

@@ -35,67 +35,26 @@ RECENT_ITERATIONS = 3
 MIN_SLOWDOWN = None
 
 
-class WindowCounter:
-    """Windows each rank's trace file holds so far, read incrementally: each poll reads only what
-    was appended since the last one (a whole-file re-read on every poll grew with the run)."""
-
-    MARK = b'{"type":"window"'
-
-    def __init__(self, directory: str | os.PathLike) -> None:
-        self.directory = Path(directory)
-        self._files: dict[str, list] = {}  # name -> [offset, windows, unfinished last line]
-
-    def counts(self) -> dict[str, int]:
-        for path in self.directory.glob("benchmark-data-*.json"):
-            state = self._files.setdefault(path.name, [0, 0, b""])
-            try:
-                with open(path, "rb") as f:
-                    f.seek(state[0])
-                    appended = f.read()
-            except OSError:
-                continue
-            state[0] += len(appended)
-            lines = (state[2] + appended).split(b"\n")
-            state[2] = lines.pop()  # a line still being written
-            state[1] += sum(1 for line in lines if line.startswith(self.MARK))
-        return {name: state[1] for name, state in self._files.items()}
-
-    def wait_for(self, world_size: int, windows: int, wait_s: float, poll_s: float = 0.02) -> None:
-        """Until every rank's file holds `windows` windows (other ranks' writers append theirs a
-        little after rank 0), or `wait_s` passed: then the analysis goes on with what is there.
-        Polled often: a poll reads only appended bytes, and every quarter second of waiting was a
-        quarter second of alert latency (about one window of a 4-rank CPU run)."""
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            counts = self.counts()
-            if len(counts) >= world_size and min(counts.values()) >= windows:
-                return
-            time.sleep(poll_s)
-
-
 def analyze(trace_dir: str | os.PathLike, first_iteration: int, last_iteration: int,
             fitted: dict[tuple[int, int], tuple[float, float]] | None = None, *,
-            min_slowdown: float | None = MIN_SLOWDOWN) -> dict | None:
+            min_slowdown: float | None = MIN_SLOWDOWN, source: WindowedInput | None = None) -> dict | None:
     """One online analysis of everything traced so far: the abnormal.json dict with `iterations`,
-    and `alerts` (each with its printable `label`); None before MIN_ITERATIONS. `fitted` (updated
-    in place) keeps the clock corrections of the windows every rank has written, so that each
-    analysis fits only the new windows: fitting them all again was most of an analysis's cost
-    (0.14 of 0.23 s at 24 windows of 4 ranks, and growing with the run), CPU taken from a busy
-    host's training. `min_slowdown`: the compute analyzer's factor over a rank's peers below
-    which it names nobody."""
-    from megatron.scan.aggregate import aggregate
-    from megatron.scan.align import fitted_windows
+    and `alerts` (each with its printable `label`); None before MIN_ITERATIONS. `source` (kept
+    across analyses) reads, matches and aligns each window once; without it, or for a directory
+    it does not cover (a torchrun restart's attempts), the directory is read whole. Then
+    `fitted` (updated in place) keeps the clock corrections of the windows every rank has
+    written, so that each analysis fits only the new windows: fitting them all again was most of
+    an analysis's cost (0.14 of 0.23 s at 24 windows of 4 ranks, and growing with the run), CPU
+    taken from a busy host's training. `min_slowdown`: the compute analyzer's factor over a
+    rank's peers below which it names nobody."""
     from megatron.scan.detect.combine import detect
     from megatron.scan.detect.compute import peer_comparison
     from megatron.scan.detect.host import host_starvation
-    from megatron.scan.detect.model import from_aggregation
     from megatron.scan.detect.report import as_dict
 
-    aggregation = aggregate(trace_dir, None, jobs=1, fitted=fitted)
-    if fitted is not None:
-        written = min((len(metas) for metas in aggregation.trace.windows.values()), default=0)
-        fitted.update(fitted_windows(aggregation.alignment, written))
-    data = from_aggregation(aggregation)
+    data = source.build() if source is not None else None
+    if data is None:
+        data = _whole(trace_dir, fitted)
     if len(np.unique(data.compute["iteration"])) < MIN_ITERATIONS:
         return None  # the first iterations (warm-up) alone are no baseline
     # Everything traced so far: a fault that began in the recent windows shows as an onset
@@ -113,6 +72,19 @@ def analyze(trace_dir: str | os.PathLike, first_iteration: int, last_iteration: 
          "label": suspect.describe(data)}
         for suspect in detection.suspects]
     return result
+
+
+def _whole(trace_dir: str | os.PathLike, fitted: dict[tuple[int, int], tuple[float, float]] | None):
+    """The detection input of the directory read whole (the clock fits in `fitted` reused)."""
+    from megatron.scan.aggregate import aggregate
+    from megatron.scan.align import fitted_windows
+    from megatron.scan.detect.model import from_aggregation
+
+    aggregation = aggregate(trace_dir, None, jobs=1, fitted=fitted)
+    if fitted is not None:
+        written = min((len(metas) for metas in aggregation.trace.windows.values()), default=0)
+        fitted.update(fitted_windows(aggregation.alignment, written))
+    return from_aggregation(aggregation)
 
 
 # Analyses in a row that must name a suspect only one analyzer found before it is reported. Each
@@ -154,14 +126,17 @@ def serve() -> None:
     stdout; anything printed goes to stderr. Each request carries the thresholds in force (they
     can change while the job runs: `python -m megatron.scan capture --online-detect-confirm`). It ends when stdin closes: when rank 0 closes it,
     or when rank 0 dies (the pipe closes with it, so nothing is left behind)."""
+    from megatron.scan.detect.incremental import WindowedInput
     from megatron.scan.load import retain_freed_memory
+    from megatron.scan.tail import DirectoryTail
 
     retain_freed_memory()  # this process only analyses: arrays reused, not faulted in again each time
     trace_dir, world_size, wait_s = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     confirm = Confirmation()
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    windows = WindowCounter(trace_dir)
+    windows = DirectoryTail(trace_dir)  # parsed as it is polled: each window is read once
+    source = WindowedInput(trace_dir, tail=windows)
     fitted: dict[tuple[int, int], tuple[float, float]] = {}
     for line in sys.stdin:
         windows_done, first_iteration, last_iteration, settings = json.loads(line)
@@ -171,7 +146,7 @@ def serve() -> None:
             # training it slowed (the throttled rank's windows come late, and rank 0 polled).
             windows.wait_for(world_size, windows_done, wait_s)
             result = analyze(trace_dir, first_iteration, last_iteration, fitted,
-                             min_slowdown=settings["min_slowdown"])
+                             min_slowdown=settings["min_slowdown"], source=source)
             if result is not None:
                 result["alerts"], result["unconfirmed"] = confirm(result["alerts"])
                 result["settings"] = settings
