@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from megatron.app.progress import SILENT, Reporter
-from megatron.scan.trace_format import RankFile, TraceFormatError, iter_trace_files, read_rank_file
+from megatron.scan.trace_format import RankFile, TraceFormatError, group_list, iter_trace_files, read_rank_file
 
 
 class AggregateError(RuntimeError):
@@ -154,11 +154,7 @@ def load_directory(directory: str | os.PathLike, *, jobs: int | None = None, run
         by_rank[rank] = ordered[0] if len(ordered) == 1 else join_attempts(ordered, warnings)
     if any(len(of_rank) > 1 for of_rank in attempts.values()):
         by_rank = _common_windows(by_rank)
-    world_size = int(next(iter(by_rank.values())).header["world_size"])
-    missing = sorted(set(range(world_size)) - set(by_rank))
-    if missing:
-        warnings.append(f"no trace for rank(s) {_ranges(missing)} of {world_size}; continuing with the others "
-                        f"(their collectives will show fewer participants)")
+    warnings.extend(missing_ranks(int(next(iter(by_rank.values())).header["world_size"]), by_rank))
     _check_iterations(by_rank, warnings)
     for f in by_rank.values():
         if not f.ended:
@@ -168,6 +164,15 @@ def load_directory(directory: str | os.PathLike, *, jobs: int | None = None, run
     trace.warnings = warnings + trace.warnings
     trace.run_id = next(iter(by_rank.values())).header["run_id"]
     return trace
+
+
+def missing_ranks(world_size: int, present) -> list[str]:
+    """The warning for ranks of the job with no trace file, if any."""
+    missing = sorted(set(range(world_size)) - set(present))
+    if not missing:
+        return []
+    return [f"no trace for rank(s) {_ranges(missing)} of {world_size}; continuing with the others "
+            f"(their collectives will show fewer participants)"]
 
 
 ATTEMPT_SEQ_SHIFT = 32  # a restarted attempt's sequence numbers follow every earlier attempt's (the matcher keeps 40 bits)
@@ -223,12 +228,9 @@ def join_attempts(files: list[RankFile], warnings: list[str] | None = None) -> R
                 kept = np.where(kept >= 0, kept + (int(f.header.get("attempt", k) or k) << ATTEMPT_SEQ_SHIFT), kept)
             parts[column].append(kept)
     columns = {column: np.concatenate(arrays) for column, arrays in parts.items()}
-    group_list = [None] * len(groups)
-    for (name, ranks, desc), index in groups.items():
-        group_list[index] = {"name": name, "ranks": list(ranks), "desc": desc}
     last = files[-1]
     return RankFile(path=last.path, header={**files[0].header, "restarts": restarts}, windows=windows,
-                    names=list(names), groups=group_list, columns=columns, ended=last.ended,
+                    names=list(names), groups=group_list(groups), columns=columns, ended=last.ended,
                     warnings=[w for f in files for w in f.warnings])
 
 
@@ -292,12 +294,9 @@ def merge(by_rank: dict[int, RankFile], progress: Reporter = SILENT) -> GlobalTr
                for column, arrays in parts.items()}
     columns["start"] = columns.pop("start_wall_ns")
     columns["end"] = columns.pop("end_wall_ns")
-    group_list: list[dict[str, Any]] = [{}] * len(groups)
-    for (name, ranks, desc), gid in groups.items():
-        group_list[gid] = {"name": name, "ranks": list(ranks), "desc": desc}
     return GlobalTrace(ranks={r: f.header for r, f in sorted(by_rank.items())},
                        windows={r: f.windows for r, f in sorted(by_rank.items())},
-                       names=list(names), groups=group_list, columns=columns)
+                       names=list(names), groups=group_list(groups), columns=columns)
 
 
 def _ranges(values) -> str:

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from megatron.scan.load import MERGED_TYPES
-from megatron.scan.trace_format import RECORD_ERRORS, RankFile, TraceFormatError, parse_header, parse_record
+from megatron.scan.trace_format import (RECORD_ERRORS, RankFile, TraceFormatError, group_list, parse_header,
+                                        parse_record)
 
 
 @dataclass(kw_only=True)
@@ -25,6 +26,7 @@ class RankTail:
     path: str
     offset: int = 0  # bytes consumed (up to the last newline read)
     pending: bytes = b""  # an unfinished last line
+    lines: int = 0  # complete lines read
     header: dict[str, Any] | None = None
     names: dict[str, int] = field(default_factory=dict)
     groups: dict[tuple, int] = field(default_factory=dict)
@@ -53,6 +55,7 @@ class RankTail:
                 return
 
     def _line(self, raw: bytes) -> None:
+        self.lines += 1
         if self.header is None:
             try:
                 self.header = parse_header(self.path, raw)
@@ -62,7 +65,7 @@ class RankTail:
         try:
             record = parse_record(raw, self.names, self.groups)
         except RECORD_ERRORS as exc:
-            self.error = f"{self.path}: line {len(self.windows) + 2} is not a valid window record ({exc!r:.80})"
+            self.error = f"{self.path}: line {self.lines} is not a valid window record ({exc!r:.80})"
             return
         if record["type"] == "end":
             self.ended = True
@@ -81,11 +84,8 @@ class RankTail:
                    else np.zeros(0, dtype=kind) for name, kind in MERGED_TYPES.items()}
         if chosen:
             columns["window"] = np.repeat(np.arange(len(chosen), dtype=np.int32), [len(c["window"]) for c in chosen])
-        group_list: list[dict[str, Any]] = [{}] * len(self.groups)
-        for (name, ranks, desc), index in self.groups.items():
-            group_list[index] = {"name": name, "ranks": list(ranks), "desc": desc}
         return RankFile(path=self.path, header=self.header, windows=self.windows[first:last], names=list(self.names),
-                        groups=group_list, columns=columns, ended=self.ended and last >= len(self.windows),
+                        groups=group_list(self.groups), columns=columns, ended=self.ended and last >= len(self.windows),
                         warnings=[])
 
     def release(self, before: int) -> None:

@@ -365,10 +365,7 @@ def read_rank_file(path: str | os.PathLike) -> RankFile:
             parts[column].append(values)
         windows.append(record["meta"])
     columns = {c: (np.concatenate(v) if v else np.zeros(0, dtype=np.int64)) for c, v in parts.items()}
-    group_list = [None] * len(groups)
-    for (name, ranks, desc), index in groups.items():
-        group_list[index] = {"name": name, "ranks": list(ranks), "desc": desc}
-    return RankFile(path=path, header=header, windows=windows, names=list(names), groups=group_list,
+    return RankFile(path=path, header=header, windows=windows, names=list(names), groups=group_list(groups),
                     columns=columns, ended=ended, warnings=warnings)
 
 
@@ -388,6 +385,14 @@ def parse_header(path: str, raw: bytes) -> dict[str, Any]:
     return header
 
 
+def group_list(groups: dict[tuple, int]) -> list[dict[str, Any]]:
+    """Groups interned as {(name, ranks, desc): id} (parse_record's `groups`), listed by id."""
+    listed: list[dict[str, Any]] = [{}] * len(groups)
+    for (name, ranks, desc), index in groups.items():
+        listed[index] = {"name": name, "ranks": list(ranks), "desc": desc}
+    return listed
+
+
 # What a line that is not a valid record raises while parse_record reads it.
 RECORD_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError)
 
@@ -402,7 +407,7 @@ def parse_record(raw: bytes, names: dict[str, int], groups: dict[tuple, int]) ->
         return {"type": kind}
     meta = {k: record[k] for k in ("window", "iterations", "clock", "metrics", "dropped")}
     staged: dict[str, list[np.ndarray]] = {c: [] for c in (*COLUMNS, "window", "start_wall_ns", "end_wall_ns")}
-    _append_window(record, 0, names, groups, staged)
+    _append_window(record, names, groups, staged)
     return {"type": kind, "meta": meta, "columns": {c: v[0] for c, v in staged.items()}}
 
 
@@ -417,7 +422,7 @@ def _parse_line(raw: bytes) -> Any:
     return json.loads(raw)
 
 
-def _append_window(record: dict, window_index: int, names: dict[str, int], groups: dict[tuple, int],
+def _append_window(record: dict, names: dict[str, int], groups: dict[tuple, int],
                    parts: dict[str, list[np.ndarray]]) -> None:
     events = record["events"]
     count = len(events["name"])
@@ -432,7 +437,7 @@ def _append_window(record: dict, window_index: int, names: dict[str, int], group
     parts["name"].append(local_names[np.asarray(events["name"], dtype=np.int64).reshape(count)])
     parts["dtype"].append(local_names[np.asarray(events["dtype"], dtype=np.int64).reshape(count)])
     parts["group"][-1] = group_map[parts["group"][-1]].astype(np.int64)
-    parts["window"].append(np.full(count, window_index, dtype=np.int32))
+    parts["window"].append(np.zeros(count, dtype=np.int32))  # the reader numbers the windows
     # Monotonic -> wall clock through this window's own reference pair.
     wall_base = record["clock"]["start"]["wall_ns"]
     parts["start_wall_ns"].append(parts["start_ns"][-1] + wall_base)

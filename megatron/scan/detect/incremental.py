@@ -5,8 +5,9 @@ analyzers. Re-reading, matching and aligning everything before each analysis too
 29 s of one analysis at 4,096 ranks x 20 iterations, and grew with the run.
 
 Windows are independent units of the pipeline: every collective and P2P message of an
-iteration lies in the window that traced it on every rank, and alignment fits each window on its
-own (align). Windows some ranks have written and others not yet (a late or stopped rank) form a
+iteration lies in the window that traced it on every rank, and alignment fits and judges each
+window on its own (align), but for one guard over the whole trace, applied here over all
+windows (`build`). Windows some ranks have written and others not yet (a late or stopped rank) form a
 provisional part, built again at each analysis until every rank has them. Directories the
 incremental path does not cover (a torchrun restart's attempts, files of several runs, an
 unreadable file) are read whole each time (`unusable` says why)."""
@@ -19,6 +20,7 @@ import numpy as np
 
 from megatron.scan.align_check import summarize, worse
 from megatron.scan.detect.model import DetectionInput, gpu_summaries, host_table, roles_of
+from megatron.scan.load import missing_ranks
 from megatron.scan.tail import DirectoryTail, RankTail
 
 
@@ -54,23 +56,17 @@ class WindowedInput:
             return None
         # As a load of the whole directory does: should the aligned clocks leave the whole trace's
         # figures worse than the raw ones (medians do not add up over windows), every clock is raw.
-        raw, aligned = ([np.concatenate([m[side][k] for m in (p.measures for p in parts)]) for k in (0, 1)]
-                        for side in (0, 1))
-        on_raw = bool(worse(summarize(*aligned, exact=True), summarize(*raw, exact=True)))
-        tables = [p.raw if on_raw else p.aligned for p in parts]
-        world_size = int(tails[0].header["world_size"])
-        ranks = {int(t.header["rank"]) for t in tails}
-        warnings = []
-        missing = sorted(set(range(world_size)) - ranks)
-        if missing:
-            from megatron.scan.load import _ranges
+        def figures(clocks: int) -> dict:  # 0: raw, 1: aligned
+            spread, violated = (np.concatenate([p.measures[clocks][k] for p in parts]) for k in (0, 1))
+            return summarize(spread, violated, exact=True)
 
-            warnings.append(f"no trace for rank(s) {_ranges(missing)} of {world_size}; continuing with the others "
-                            f"(their collectives will show fewer participants)")
-        by_rank = sorted(tails, key=lambda t: int(t.header["rank"]))
-        windows = {int(t.header["rank"]): t.windows for t in by_rank}
-        return concatenate(tables, roles=roles_of({int(t.header["rank"]): t.header for t in by_rank}),
-                           host=host_table(windows), gpu=gpu_summaries(windows), warnings=warnings)
+        on_raw = bool(worse(figures(1), figures(0)))
+        by_rank = {int(t.header["rank"]): t for t in sorted(tails, key=lambda t: int(t.header["rank"]))}
+        windows = {rank: t.windows for rank, t in by_rank.items()}
+        return concatenate([p.raw if on_raw else p.aligned for p in parts],
+                           roles=roles_of({rank: t.header for rank, t in by_rank.items()}),
+                           host=host_table(windows), gpu=gpu_summaries(windows),
+                           warnings=missing_ranks(int(tails[0].header["world_size"]), by_rank))
 
 
 def _unusable(tails: list[RankTail]) -> str | None:
@@ -130,11 +126,9 @@ def concatenate(parts: list[DetectionInput], *, roles: dict, host: dict, gpu: di
     """Parts of one job's input that hold different windows, as one: rows in rank order (as a
     load of the whole directory has them), collective instances numbered apart, group kinds
     mapped onto their union. `roles`, `host`, `gpu` and `warnings` are the whole job's."""
-    last = parts[-1]
     kinds = sorted({kind for p in parts for kind in p.group_kinds})
 
-    def cat(name: str, by: str) -> dict[str, np.ndarray]:
-        tables = [getattr(p, name) for p in parts]
+    def ordered(tables: list[dict[str, np.ndarray]], by: str) -> dict[str, np.ndarray]:
         joined = {column: np.concatenate([t[column] for t in tables]) for column in tables[-1]}
         order = np.argsort(joined[by], kind="stable")
         return {column: values[order] for column, values in joined.items()}
@@ -142,16 +136,11 @@ def concatenate(parts: list[DetectionInput], *, roles: dict, host: dict, gpu: di
     collectives = []
     offset = 0
     for p in parts:
-        table = dict(p.collectives)
         remap = np.array([kinds.index(k) for k in p.group_kinds] + [-1], dtype=np.int64)
-        table["kind"] = remap[table["kind"]]
-        table["instance"] = table["instance"] + offset
+        table = {**p.collectives, "kind": remap[p.collectives["kind"]], "instance": p.collectives["instance"] + offset}
         if len(table["instance"]):
             offset = int(table["instance"].max()) + 1
         collectives.append(table)
-    joined = {column: np.concatenate([t[column] for t in collectives]) for column in collectives[-1]}
-    order = np.argsort(joined["rank"], kind="stable")
-    return replace(last, roles=roles, group_kinds=kinds,
-                   collectives={column: values[order] for column, values in joined.items()},
-                   p2p=cat("p2p", "dst"), host=host, gpu=gpu, warnings=warnings,
-                   **{name: cat(name, "rank") for name in _ROWS})
+    return replace(parts[-1], roles=roles, group_kinds=kinds, collectives=ordered(collectives, "rank"),
+                   p2p=ordered([p.p2p for p in parts], "dst"), host=host, gpu=gpu, warnings=warnings,
+                   **{name: ordered([getattr(p, name) for p in parts], "rank") for name in _ROWS})
