@@ -19,6 +19,7 @@ import numpy as np
 from megatron.app.progress import Progress
 from megatron.scan.align_check import Causality, Judge
 from megatron.scan.align_solve import IRLS_STEPS, Problem, balanced_link_weights, components as connected, huber_loss
+from megatron.scan.keys import unique_rows
 from megatron.scan.load import GlobalTrace
 from megatron.scan.match import Collectives, P2PLinks
 
@@ -161,7 +162,9 @@ def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = N
     known = _known_windows(trace, fitted or {})
     rows = rows[~np.isin(c["window"][rows], known)]
     instance = collectives.row_instance[rows]
-    fit, drift_windows = _fit(trace, domains, bases, rows, instance, allow_drift, progress=progress)
+    # The fits of the first pass by component, for the drifting windows' second fit below.
+    first_pass: dict[tuple, tuple] = {}
+    fit, drift_windows = _fit(trace, domains, bases, rows, instance, allow_drift, progress=progress, memo=first_pass)
     p2p_anchors = 0
     # Transfer latency is one-sided in an anchor; the per-link balancing cancels it on average
     # over the window, but not along time, where forward messages cluster early and backward ones
@@ -182,9 +185,10 @@ def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = N
         used = weight > 0
         if used.any():
             drifting = np.isin(c["window"][rows], drift_windows)
-            # The drifting windows' fit again, alone (the same result as above), then the others
-            # with their P2P anchors, into the same fit.
-            fit, _ = _fit(trace, domains, bases, rows[drifting], instance[drifting], allow_drift, progress=progress)
+            # The drifting windows' fit again, alone (the first pass's, taken from it: the same
+            # anchors of the same windows), then the others with their P2P anchors, into the same fit.
+            fit, _ = _fit(trace, domains, bases, rows[drifting], instance[drifting], allow_drift, progress=progress,
+                          memo=first_pass)
             ids = (int(instance.max()) + 1 if len(instance) else 0) + np.arange(int(used.sum()))
             steady = rows[~drifting]
             prior = np.concatenate([np.ones(len(steady)), weight[used], weight[used]])
@@ -271,10 +275,13 @@ def _bases(trace: GlobalTrace, domains: ClockDomains) -> np.ndarray:
 
 def _fit(trace: GlobalTrace, domains: ClockDomains, bases: np.ndarray, rows: np.ndarray, instance: np.ndarray,
          allow_drift: bool, prior: np.ndarray | None = None, progress: Progress | None = None,
-         into: _Fit | None = None) -> tuple[_Fit, np.ndarray]:
+         into: _Fit | None = None, memo: dict[tuple, tuple] | None = None) -> tuple[_Fit, np.ndarray]:
     """Fit every connected component of (domain, window) nodes linked by the anchors given as event
     rows and their anchor instance ids (finish times: the rows' end). Returns the fit and the
-    windows of components fitted with drift. `into`: a fit of other windows, added to."""
+    windows of components fitted with drift. `into`: a fit of other windows, added to. `memo`:
+    each component's solution by its nodes and number of anchors, kept and reused (a component
+    lies in one window, so a later fit with all of that window's anchors, unweighted, poses the
+    same problem; align's second pass refits the drifting windows so)."""
     c = trace.columns
     size = max(trace.ranks, default=0) + 1
     fit = into or _Fit(corrections={}, squares=np.zeros(size), counts=np.zeros(size, dtype=np.int64),
@@ -286,57 +293,80 @@ def _fit(trace: GlobalTrace, domains: ClockDomains, bases: np.ndarray, rows: np.
     end, rank = c["end"][rows], c["rank"][rows].astype(np.int64)
     windows = bases.shape[1]
     node_key = domains.of_rank[rank] * windows + c["window"][rows]
-    node_keys, node = np.unique(node_key, return_inverse=True)
+    node_keys, node = unique_rows(node_key[:, None])
+    node_keys = node_keys[:, 0]
     node_start = bases[node_keys // windows, node_keys % windows]
     # Center each instance in integer ns first: absolute wall ns do not fit a float's precision.
-    _, inst_index = np.unique(instance, return_inverse=True)
+    _, inst_index = unique_rows(instance[:, None])
     inst_min = np.full(inst_index.max() + 1, np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(inst_min, inst_index, end)
     d_us = (end - inst_min[inst_index]) / 1e3
     tau_s = (end - node_start[node]) / 1e9
     component = connected(node, instance, len(node_keys))
-    components, comp_sizes = np.unique(component, return_counts=True)
+    components = np.unique(component)
+    members = [np.flatnonzero(component == comp) for comp in components]
+    anchors = np.bincount(component[node], minlength=int(component.max()) + 1)
+    keys = [(tuple(node_keys[comp_nodes].tolist()), int(anchors[comp])) for comp, comp_nodes in zip(components, members)]
     tick = None
     if progress is not None:  # counted in solver steps: the fits of large components take seconds
-        progress.add_total(IRLS_STEPS * int(sum(2 if allow_drift and n > 1 else 1 for n in comp_sizes.tolist())))
+        progress.add_total(IRLS_STEPS * int(sum(2 if allow_drift and len(comp_nodes) > 1 else 1
+                                                for comp_nodes, key in zip(members, keys)
+                                                if memo is None or key not in memo)))
         tick = progress.update
-    for comp in components:
-        comp_nodes = np.flatnonzero(component == comp)
+    for comp, comp_nodes, key in zip(components, members, keys):
         n = len(comp_nodes)
-        local = np.full(len(node_keys), -1)
-        local[comp_nodes] = np.arange(n)
-        mask = component[node] == comp
-        problem = Problem(local[node[mask]], instance[mask], d_us[mask], tau_s[mask], n, prior[mask])
-        x, r, sigma = problem.fit(drift=False, tick=tick)
-        use_drift = False
-        if allow_drift and n > 1:
-            # Drift is kept only if it lowers the robust loss far more than its extra unknowns
-            # would by chance (an F-like test with both fits on the offset fit's scale).
-            x1, r1, _ = problem.fit(drift=True, sigma=sigma, tick=tick)
-            loss0, loss1 = huber_loss(r, sigma), huber_loss(r1, sigma)
-            dof = len(problem.d) - len(problem.sizes) - 2 * n
-            if dof > 0 and loss1 > 0 and (loss0 - loss1) / n / (loss1 / dof) > _F_THRESHOLD:
-                x, r, use_drift = x1, r1, True
+        if memo is not None and key in memo:
+            x, r, sigma, use_drift, observed = memo[key]
+        else:
+            mask = component[node] == comp
+            local = np.full(len(node_keys), -1)
+            local[comp_nodes] = np.arange(n)
+            x, r, sigma, use_drift, observed = _fit_component(
+                node_keys[comp_nodes], local[node[mask]], instance[mask], d_us[mask], tau_s[mask], prior[mask],
+                rank[mask], allow_drift, tick)
+            if memo is not None:
+                memo[key] = (x, r, sigma, use_drift, observed)
         fit.models["offset+drift" if use_drift else "offset"] += 1
         if use_drift:
             drift_windows.update(int(k % windows) for k in node_keys[comp_nodes])
-        # Gauge: the component's lowest domain (the host of its lowest rank; node keys sort by
-        # domain) keeps its raw clock, and every other host is measured against it. A host is
-        # moved only by what the anchors say about it, and a lone host not at all.
         reference = int(np.argmin(node_keys[comp_nodes]))
         fit.references.add(divmod(int(node_keys[comp_nodes[reference]]), windows))
-        x = x.copy()
-        x[:n] -= x[reference]
-        if use_drift:
-            x[n:] -= x[n + reference]
         for i, global_node in enumerate(comp_nodes):
             domain, window = divmod(int(node_keys[global_node]), windows)
             fit.corrections[(domain, window)] = (float(x[i]), float(x[i + n]) if use_drift else 0.0)
             fit.scales[(domain, window)] = sigma
-        observed = rank[mask][problem.order]
         np.add.at(fit.squares, observed, r * r)
         np.add.at(fit.counts, observed, 1)
     return fit, np.array(sorted(drift_windows), dtype=np.int64)
+
+
+def _fit_component(keys: np.ndarray, local: np.ndarray, instance: np.ndarray, d_us: np.ndarray, tau_s: np.ndarray,
+                   prior: np.ndarray, rank: np.ndarray, allow_drift: bool, tick) -> tuple:
+    """One connected component's fit: its nodes' sorted keys, each anchor's node among them
+    (`local`) and instance, finish time and drift time. Returns the corrections (offsets, then
+    drifts when kept) with the gauge applied, the residuals, the robust scale, whether drift was
+    kept, and each residual's rank."""
+    n = len(keys)
+    problem = Problem(local, instance, d_us, tau_s, n, prior)
+    x, r, sigma = problem.fit(drift=False, tick=tick)
+    use_drift = False
+    if allow_drift and n > 1:
+        # Drift is kept only if it lowers the robust loss far more than its extra unknowns
+        # would by chance (an F-like test with both fits on the offset fit's scale).
+        x1, r1, _ = problem.fit(drift=True, sigma=sigma, tick=tick)
+        loss0, loss1 = huber_loss(r, sigma), huber_loss(r1, sigma)
+        dof = len(problem.d) - len(problem.sizes) - 2 * n
+        if dof > 0 and loss1 > 0 and (loss0 - loss1) / n / (loss1 / dof) > _F_THRESHOLD:
+            x, r, use_drift = x1, r1, True
+    # Gauge: the component's lowest domain (the host of its lowest rank; node keys sort by
+    # domain) keeps its raw clock, and every other host is measured against it. A host is
+    # moved only by what the anchors say about it, and a lone host not at all.
+    reference = int(np.argmin(keys))
+    x = x.copy()
+    x[:n] -= x[reference]
+    if use_drift:
+        x[n:] -= x[n + reference]
+    return x, r, sigma, use_drift, rank[problem.order]
 
 
 def _tables(trace: GlobalTrace, domains: ClockDomains, bases: np.ndarray,

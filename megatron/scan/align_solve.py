@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron.scan.keys import unique_rows
+
 HUBER_K = 1.5
 IRLS_STEPS = 8
 # Components with more unknowns than this are solved by preconditioned conjugate gradients on the
@@ -261,25 +263,42 @@ def huber_loss(r: np.ndarray, scale: float) -> float:
     return float(np.sum(np.where(a <= limit, 0.5 * a * a, limit * (a - 0.5 * limit))))
 
 
+_DENSE_PAIRS = 1 << 26  # node pairs marked in a table (64 MB) rather than sorted
+
+
 def components(nodes: np.ndarray, instance: np.ndarray, num_nodes: int) -> np.ndarray:
-    """Connected components of nodes linked by shared instances (union-find)."""
-    parent = np.arange(num_nodes)
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    order = np.argsort(instance, kind="stable")
-    inst_sorted, node_sorted = instance[order], nodes[order]
-    firsts = np.flatnonzero(np.concatenate([[True], inst_sorted[1:] != inst_sorted[:-1]]))
-    first_node = np.repeat(node_sorted[firsts], np.diff(np.append(firsts, len(order))))
-    for a, b in set(zip(first_node.tolist(), node_sorted.tolist())):
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[ra] = rb
-    return np.array([find(i) for i in range(num_nodes)])
+    """Connected components of nodes linked by shared instances, each labelled by its lowest node."""
+    label = np.arange(num_nodes)
+    if not len(nodes):
+        return label
+    # Each anchor links its node with one node of its instance (whichever the assignment leaves):
+    # the distinct pairs, without a sort (millions of anchors, a few thousand nodes).
+    nodes = np.asarray(nodes, dtype=np.int64)
+    _, inverse = unique_rows(np.asarray(instance)[:, None])
+    one_node = np.empty(int(inverse.max()) + 1, dtype=np.int64)
+    one_node[inverse] = nodes
+    if num_nodes * num_nodes <= _DENSE_PAIRS:
+        linked = np.zeros(num_nodes * num_nodes, dtype=bool)
+        linked[one_node[inverse] * num_nodes + nodes] = True
+        a, b = np.divmod(np.flatnonzero(linked), num_nodes)
+    else:
+        pairs, _ = unique_rows(np.stack([one_node[inverse], nodes], axis=1))
+        a, b = pairs[:, 0], pairs[:, 1]
+    # Both ends of every link take the lower label, and labels follow their labels to a fixed
+    # point (pointer jumping): each pass halves the distance a lowest label still has to travel.
+    while True:
+        low = np.minimum(label[a], label[b])
+        moved = label.copy()
+        np.minimum.at(moved, a, low)
+        np.minimum.at(moved, b, low)
+        while True:
+            jumped = moved[moved]
+            if np.array_equal(jumped, moved):
+                break
+            moved = jumped
+        if np.array_equal(moved, label):
+            return label
+        label = moved
 
 
 def balanced_link_weights(src: np.ndarray, dst: np.ndarray, window: np.ndarray) -> np.ndarray:
@@ -290,9 +309,9 @@ def balanced_link_weights(src: np.ndarray, dst: np.ndarray, window: np.ndarray) 
     key = np.stack([low, high, window.astype(np.int64), forward], axis=1)
     if not len(key):
         return np.zeros(0)
-    _, direction_id, direction_count = np.unique(key, axis=0, return_inverse=True, return_counts=True)
-    _, link_id = np.unique(key[:, :3], axis=0, return_inverse=True)
-    direction_id, link_id = direction_id.reshape(-1), link_id.reshape(-1)
+    _, direction_id = unique_rows(key)
+    direction_count = np.bincount(direction_id)
+    _, link_id = unique_rows(key[:, :3])
     directions = np.bincount(link_id, weights=np.ones(len(key)) / direction_count[direction_id])
     weight = 1.0 / direction_count[direction_id]
     weight[directions[link_id] < 1.5] = 0.0

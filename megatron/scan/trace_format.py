@@ -432,16 +432,24 @@ def _append_window(record: dict, names: dict[str, int], groups: dict[tuple, int]
         identity = (info["name"], tuple(info["ranks"]), info.get("desc") or "")
         group_map[int(key)] = groups.setdefault(identity, len(groups))
     for column in INT_COLUMNS:
-        parts[column].append(np.asarray(events[column], dtype=np.int64).reshape(count))
+        parts[column].append(_integers(events[column], count))
     # -1 indexes the sentinel appended above, so unset names and groups stay -1.
-    parts["name"].append(local_names[np.asarray(events["name"], dtype=np.int64).reshape(count)])
-    parts["dtype"].append(local_names[np.asarray(events["dtype"], dtype=np.int64).reshape(count)])
+    parts["name"].append(local_names[_integers(events["name"], count)])
+    parts["dtype"].append(local_names[_integers(events["dtype"], count)])
     parts["group"][-1] = group_map[parts["group"][-1]].astype(np.int64)
     parts["window"].append(np.zeros(count, dtype=np.int32))  # the reader numbers the windows
     # Monotonic -> wall clock through this window's own reference pair.
     wall_base = record["clock"]["start"]["wall_ns"]
     parts["start_wall_ns"].append(parts["start_ns"][-1] + wall_base)
     parts["end_wall_ns"].append(parts["end_ns"][-1] + wall_base)
+
+
+def _integers(values: list, count: int) -> np.ndarray:
+    """A column of `count` integers as int64 (np.fromiter: half the time of np.asarray on a list).
+    A column of another length raises ValueError, as a malformed record must."""
+    if len(values) != count:
+        raise ValueError(f"a column of {len(values)} values in a window of {count} events")
+    return np.fromiter(values, dtype=np.int64, count=count)
 
 
 def header_fields(*, rank: int, world_size: int, run_id: str, coordinates: dict[str, int],

@@ -85,3 +85,42 @@ def test_nothing_to_compare_is_said_not_raised(layout, tmp_path):
 def test_missing_directory_is_a_clear_error(tmp_path, capsys):
     assert scan_main(["detect", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_analyzers_in_two_processes_name_the_same_and_fail_the_same(tmp_path, monkeypatch):
+    """Online detection's analysis process runs the compute analyzer beside the other three, in a
+    forked child: the same detection as in one process; an analyzer that raises in the child
+    raises here as it would without it, and no child is left behind."""
+    import os
+
+    from megatron.scan.aggregate import aggregate
+    from megatron.scan.detect.combine import detect
+    from megatron.scan.detect.model import from_aggregation
+    from megatron.scan.detect.report import as_dict
+
+    generate_case(FaultCase(tp=2, pp=2, dp=2, slow={5: 1.5}, link_delay_ms={(1, 3): 8.0}), tmp_path)
+    data = from_aggregation(aggregate(tmp_path, None, jobs=1))
+    one = as_dict(detect(data))
+    assert one["verdict"] == "suspects"
+    assert json.dumps(as_dict(detect(data, workers=2))) == json.dumps(one)
+
+    def broken(_data):
+        raise RuntimeError("arrival analyzer failed")
+
+    children = []
+    fork = os.fork
+
+    def recorded_fork():
+        pid = fork()
+        if pid:
+            children.append(pid)
+        return pid
+
+    monkeypatch.setattr(os, "fork", recorded_fork)
+    for where in ("arrival", "compute"):  # the child's side, then this process's
+        with pytest.raises(RuntimeError, match="arrival analyzer failed"):
+            detect(data, workers=2, **{where: broken})
+    assert len(children) == 2
+    for pid in children:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # reaped: neither running nor left a zombie

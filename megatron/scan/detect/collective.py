@@ -134,6 +134,14 @@ def merge_stats(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return out
 
 
+def merge_resolved(parts: list[dict]) -> dict:
+    """Resolved instances of disjoint sets (DetectionInput.arrivals: per-node summaries, windows
+    resolved one by one) as one."""
+    return {"stats": merge_stats([a["stats"] for a in parts]),
+            "late": {c: np.concatenate([a["late"][c] for a in parts]) for c in LATE_COLUMNS},
+            "instances": sum(int(a["instances"]) for a in parts)}
+
+
 def arrival_order(data: DetectionInput, *, z_rank: float = 3.0, min_lateness_ms: float = 0.2,
                   min_cost_share: float = MIN_COST_SHARE) -> ArrivalStage:
     """Per rank: how often it arrived last against chance (1 / group size per instance), in
@@ -196,7 +204,8 @@ def arrival_order(data: DetectionInput, *, z_rank: float = 3.0, min_lateness_ms:
     cost = np.full(n, np.nan)
     has_cost, costs = group_median(share, row_of)
     cost[has_cost] = costs
-    # The group kinds it was last at, most often first.
+    # The group kinds it was last at, most often first (ties by name: the same whatever the
+    # rows' order, which differs between a whole load and the windows resolved one by one).
     late_order = np.argsort(late_of, kind="stable")
     bounds = np.searchsorted(late_of[late_order], np.arange(n + 1))
     kinds = late["kind"][late_order].tolist()
@@ -209,7 +218,8 @@ def arrival_order(data: DetectionInput, *, z_rank: float = 3.0, min_lateness_ms:
         findings[r] = ArrivalFinding(rank=r, instances=int(count[j]), last=int(last[j]),
                                      expected_last=float(expected[j]), z=float(z[j]),
                                      waited_on_ms=float(waited_on[j]), median_lateness_ms=float(median[j]),
-                                     groups=dict(groups.most_common()), iterations=int(iterations[j]),
+                                     groups=dict(sorted(groups.items(), key=lambda kv: (-kv[1], kv[0]))),
+                                     iterations=int(iterations[j]),
                                      cost_share=float(cost[j]),
                                      flagged=bool(z[j] > z_rank and median[j] > min_lateness_ms
                                                   and not cost[j] < min_cost_share))

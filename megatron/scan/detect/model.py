@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron.scan.keys import unique_rows  # noqa: F401  (the analyzers' import of it)
 from megatron.scan.speed import COMPUTE_SPANS
 from megatron.scan.trace_format import FLAG_ASYNC, FLAG_BACKWARD, FLAG_INSTANT
 
@@ -300,44 +301,3 @@ def from_aggregation(aggregation: Any) -> DetectionInput:
     return DetectionInput(roles=roles, sizes=sizes, compute=compute, collectives=coll, group_kinds=kinds, p2p=messages,
                           iteration_time=iterations, layers=layers, host=host_table(getattr(trace, "windows", {}) or {}),
                           gpu=gpu_summaries(getattr(trace, "windows", {}) or {}), warnings=list(trace.warnings))
-
-
-def unique_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """np.unique(matrix, axis=0, return_inverse=True) for integer columns, with the inverse flat:
-    the columns packed into one int64 key (first column most significant, so the order is the
-    same) where their ranges allow, which sorts one number per row instead of rows of a
-    structured view (the analyzers group millions of rows at thousands of ranks)."""
-    matrix = np.asarray(matrix)
-    if matrix.ndim != 2 or not len(matrix) or matrix.dtype.kind not in "iub":
-        keys, inverse = np.unique(matrix, axis=0, return_inverse=True)
-        return keys, inverse.reshape(-1)
-    matrix = matrix.astype(np.int64)
-    low = matrix.min(axis=0)
-    span = matrix.max(axis=0) - low + 1
-    if float(np.prod(span.astype(np.float64))) >= 2.0 ** 62:
-        keys, inverse = np.unique(matrix, axis=0, return_inverse=True)
-        return keys, inverse.reshape(-1)
-    packed = np.zeros(len(matrix), dtype=np.int64)
-    for j in range(matrix.shape[1]):
-        packed = packed * span[j] + (matrix[:, j] - low[j])
-    cells = int(np.prod(span))
-    if cells <= 2 * len(matrix) + 65536:
-        # Few possible keys (ranks x iterations, tasks of a stage): counted in place, no sort.
-        present = np.bincount(packed, minlength=cells) > 0
-        index = np.cumsum(present) - 1
-        flat = np.flatnonzero(present)
-        keys = np.empty((len(flat), matrix.shape[1]), dtype=np.int64)
-        for j in reversed(range(matrix.shape[1])):
-            keys[:, j] = flat % span[j] + low[j]
-            flat = flat // span[j]
-        return keys, index[packed]
-    # np.unique's first index of each row would take a stable sort (twice the time of this one
-    # at millions of rows); every row of a group is the same, so any one stands for it.
-    order = np.argsort(packed)
-    ordered = packed[order]
-    new_row = np.empty(len(ordered), dtype=bool)
-    new_row[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=new_row[1:])
-    inverse = np.empty(len(ordered), dtype=np.int64)
-    inverse[order] = np.cumsum(new_row) - 1
-    return matrix[order[new_row]], inverse

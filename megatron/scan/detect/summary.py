@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from megatron.scan.detect import compute_stats
-from megatron.scan.detect.collective import LATE_COLUMNS, merge_stats, one_stage_rows, resolve_arrivals
+from megatron.scan.detect.collective import merge_resolved, one_stage_rows, resolve_arrivals
 from megatron.scan.detect.model import DetectionInput, table_rows
 from megatron.scan.detect.p2p import MANY_LINKS, link_classes, link_plan, merge_link_stats, reduce_links
 from megatron.scan.detect.reference import reference_ranks, sampled
@@ -154,11 +154,7 @@ def combine(data: DetectionInput, plan: dict, statistics: list[dict[str, Any]]) 
 def combine_reports(reports: list[dict[str, Any]]) -> DetectionInput:
     """Every node's round-1 tables as one input, the collectives resolved on the nodes merged."""
     data = merge([s["part"] for s in reports])
-    arrivals = [s["arrivals"] for s in reports]
-    return replace(data, arrivals={
-        "stats": merge_stats([a["stats"] for a in arrivals]),
-        "late": {c: np.concatenate([a["late"][c] for a in arrivals]) for c in LATE_COLUMNS},
-        "instances": sum(int(a["instances"]) for a in arrivals)})
+    return replace(data, arrivals=merge_resolved([s["arrivals"] for s in reports]))
 
 
 def summarize_in_process(parts: list[DetectionInput], timer=None) -> tuple[DetectionInput, dict[str, float]]:
