@@ -45,6 +45,11 @@ class SyntheticRun:
     seed: int = 0
     run_id: str = ""
     window_iterations: int | None = None  # iterations per traced window (default: one window of them all)
+    # Ranks per host sharing one clock, as on a real job (consecutive ranks: a TP group of up to
+    # this many on one host), with host identities in the headers; a rank's clock error
+    # (offsets_ms, drift_ppm) is then its host's, the one given for the host's lowest rank that
+    # has one. None: no host identities, every rank a clock of its own (traces of old tracers).
+    ranks_per_host: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -185,8 +190,8 @@ def generate(run: SyntheticRun, directory: str | os.PathLike) -> list[Path]:
 def _write_rank(path: Path, run: SyntheticRun, rank: int, coordinates: tuple[int, int, int], run_id: str,
                 events: _Events, group_table: dict, rng, wall_epoch: int, windows: list[tuple[int, int]],
                 bounds: list[tuple[float, float]]) -> Path:
-    drift = run.drift_ppm.get(rank, 0.0) * 1e-6
-    offset_ns = run.offsets_ms.get(rank, 0.0) * 1e6
+    drift = _clock_error(run, run.drift_ppm, rank) * 1e-6
+    offset_ns = _clock_error(run, run.offsets_ms, rank) * 1e6
     mono_base = float(rng.integers(10**12, 10**13))  # each host's monotonic clock starts anywhere
 
     def monotonic(true_ns):
@@ -208,7 +213,11 @@ def _write_rank(path: Path, run: SyntheticRun, rank: int, coordinates: tuple[int
                       "sizes": {"dp": run.dp, "pp": run.pp, "tp": run.tp, "vpp": 1}, "host": f"synthetic-{rank // 8}",
                       "pid": 0, "clock_reference": t0, "device": "synthetic", "timing": "synthetic",
                       "trace": {"interval": run.iterations, "continuous": run.iterations, "granularity": "coarse"},
-                      "synthetic": {"offset_ms": run.offsets_ms.get(rank, 0.0), "drift_ppm": run.drift_ppm.get(rank, 0.0)}}
+                      "synthetic": {"offset_ms": _clock_error(run, run.offsets_ms, rank),
+                                    "drift_ppm": _clock_error(run, run.drift_ppm, rank)}}
+            if run.ranks_per_host:
+                header["host"] = f"synthetic-{rank // run.ranks_per_host}"
+                header["host_id"] = f"{header['host']}/{run_id}"
             lines.append(header)
         keep = (rows[:, 3] >= first) & (rows[:, 3] <= last)
         times = monotonic(true_times[keep]) - t0["monotonic_ns"]
@@ -224,6 +233,14 @@ def _write_rank(path: Path, run: SyntheticRun, rank: int, coordinates: tuple[int
     lines.append({"type": "end", "windows": len(windows)})
     write_lines(path, lines)
     return path
+
+
+def _clock_error(run: SyntheticRun, errors: dict[int, float], rank: int) -> float:
+    """The rank's clock error: its own, or with ranks_per_host its host's."""
+    if not run.ranks_per_host:
+        return errors.get(rank, 0.0)
+    first = rank - rank % run.ranks_per_host
+    return next((errors[r] for r in range(first, first + run.ranks_per_host) if r in errors), 0.0)
 
 
 def _parse_mapping(items: list[str], what: str) -> dict[int, float]:
@@ -245,8 +262,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=2,
                         help="training iterations to synthesize (default %(default)s)")
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches per iteration (default 2 x --pp)")
-    parser.add_argument("--offset", action="append", default=[], metavar="RANK:MS", help="wall-clock error of a rank")
-    parser.add_argument("--drift", action="append", default=[], metavar="RANK:PPM", help="clock drift of a rank")
+    parser.add_argument("--offset", action="append", default=[], metavar="RANK:MS",
+                        help="wall-clock error of a rank (with --ranks-per-host: of its host)")
+    parser.add_argument("--drift", action="append", default=[], metavar="RANK:PPM",
+                        help="clock drift of a rank (with --ranks-per-host: of its host)")
+    parser.add_argument("--ranks-per-host", type=int, default=None, metavar="N",
+                        help="N consecutive ranks share a host and its clock, named in the headers as real traces "
+                             "name them (default: no host identities, a clock per rank)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the timing jitter and noise (default %(default)s)")
     parser.add_argument("--window", type=int, default=None, metavar="N",
@@ -257,9 +279,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     spec = SyntheticRun(tp=args.tp, pp=args.pp, dp=args.dp, iterations=args.iterations, microbatches=args.microbatches,
                         offsets_ms=_parse_mapping(args.offset, "--offset"), drift_ppm=_parse_mapping(args.drift, "--drift"),
-                        seed=args.seed, window_iterations=args.window)
+                        seed=args.seed, window_iterations=args.window, ranks_per_host=args.ranks_per_host)
     if args.window is not None and args.window < 1:
         raise SystemExit(f"error: --window {args.window}: a window holds at least 1 iteration")
+    if args.ranks_per_host is not None and args.ranks_per_host < 1:
+        raise SystemExit(f"error: --ranks-per-host {args.ranks_per_host}: a host holds at least 1 rank")
     paths = generate(spec, args.directory)
     print(f"wrote {len(paths)} synthetic rank traces to {args.directory}")
     return 0

@@ -228,3 +228,20 @@ def test_two_real_nodes_one_with_a_skewed_clock(tmp_path):
     for column in ("start", "end"):
         error = np.abs(result.trace.columns[column] - true.trace.columns[column])
         assert error.max() < 500_000, f"{column}: aligned {error.max() / 1e3:.0f} us from the true clock"
+
+
+def test_synthetic_hosts_share_a_clock_and_are_aligned_as_hosts(tmp_path):
+    """`synthesize --ranks-per-host`: consecutive ranks share a host identity and its clock error
+    (given for one of its ranks), so alignment fits one clock per host and recovers the error."""
+    spec = SyntheticRun(tp=2, pp=2, dp=4, iterations=4, ranks_per_host=4, offsets_ms={5: 21.0}, drift_ppm={9: 120.0})
+    generate(spec, tmp_path)
+    headers = {f.header["rank"]: f.header for f in map(read_rank_file, iter_trace_files(tmp_path))}
+    assert {r: h["synthetic"]["offset_ms"] for r, h in headers.items() if h["synthetic"]["offset_ms"]} == \
+        {4: 21.0, 5: 21.0, 6: 21.0, 7: 21.0}
+    alignment = aggregate(tmp_path, None, jobs=1).alignment
+    assert alignment.clock_domains == "host"
+    assert [h.ranks for h in alignment.hosts] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    offsets = [h.offset_us[0] for h in alignment.hosts]
+    assert abs(offsets[1] - 21_000) < 500 and all(abs(o) < 500 for o in offsets[2:]), offsets
+    assert alignment.hosts[2].drift_ppm[0] == pytest.approx(120.0, abs=40)
+    never_worse(alignment)

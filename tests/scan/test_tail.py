@@ -11,8 +11,7 @@ import numpy as np
 
 from megatron.scan.aggregate import aggregate
 from megatron.scan.detect import detect
-from megatron.scan.detect.collective import one_stage_rows, resolve_arrivals
-from megatron.scan.detect.incremental import WindowedInput
+from megatron.scan.detect.incremental import WindowedInput, differences
 from megatron.scan.detect.model import from_aggregation
 from megatron.scan.detect.online import analyze
 from megatron.scan.detect.report import as_dict
@@ -64,36 +63,6 @@ def test_a_window_is_read_once_its_line_is_complete_and_waits_are_bounded(tmp_pa
     assert time.monotonic() - start < 1.0
 
 
-def _tables_equal(a, b) -> list[str]:
-    differ = []
-    for name in ("compute", "layers", "iteration_time", "host"):
-        for column in getattr(b, name):
-            if not np.array_equal(getattr(a, name)[column], getattr(b, name)[column], equal_nan=True):
-                differ.append(f"{name}.{column}")
-
-    def rows(table, kinds=None):
-        columns = [c for c in table if c not in ("instance", "kind")]
-        named = [[kinds[k] for k in table["kind"].tolist()]] if kinds is not None else []
-        return sorted(zip(*named, *[table[c].tolist() for c in columns]))
-
-    if rows(a.p2p) != rows(b.p2p):
-        differ.append("p2p")
-    if a.arrivals is None:
-        if rows(a.collectives, a.group_kinds) != rows(b.collectives, b.group_kinds):
-            differ.append("collectives")
-    else:  # instances resolved window by window: what the whole load's rows resolve to
-        stats, late, instances = resolve_arrivals(b.collectives, one_stage_rows(b, b.collectives))
-        if len(a.collectives["instance"]) or instances != a.arrivals["instances"]:
-            differ.append("collectives")
-        differ.extend(f"arrivals.{column}" for column in stats
-                      if not np.array_equal(stats[column], a.arrivals["stats"][column]))
-        if rows(late, b.group_kinds) != rows(a.arrivals["late"], a.group_kinds):
-            differ.append("arrivals.late")
-    if a.roles != b.roles:
-        differ.append("roles")
-    return differ
-
-
 def _verdict(data) -> str:
     report = as_dict(detect(data))
     report.pop("notes", None)  # the whole-directory load also notes each rank's missing end record
@@ -114,7 +83,7 @@ def test_input_built_window_by_window_is_the_whole_directory_s(tmp_path):
             _write(run, lines, {name: written - behind if name == late else written for name in names})
             data = source.build()
             whole = from_aggregation(aggregate(run, None, jobs=1))
-            assert _tables_equal(data, whole) == [], (written, behind)
+            assert differences(data, whole) == [], (written, behind)
             assert _verdict(data) == _verdict(whole), (written, behind)
             assert source.done == written - behind  # windows every rank has are built once and kept
     tail = source.tail.files[names[0]]
@@ -150,5 +119,5 @@ def test_when_aligned_clocks_leave_the_whole_trace_worse_every_window_is_on_raw_
     aggregation = aggregate(run, None, jobs=1)
     assert any("every clock kept raw" in note for note in aggregation.alignment.notes)
     whole = from_aggregation(aggregation)
-    assert _tables_equal(data, whole) == []
+    assert differences(data, whole) == []
     assert _verdict(data) == _verdict(whole)

@@ -2,7 +2,6 @@
 slow links), each with a confidence and the evidence behind it; victims are explained, not named."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -16,7 +15,6 @@ from megatron.scan.detect.nodes import name_slow_nodes
 from megatron.scan.detect.p2p import PipelineStage, pipeline_analysis
 from megatron.scan.detect.power import Power, compute_power, leading_candidate
 from megatron.scan.detect.suspect import Suspect, one_entry_per_suspect, peer_list
-from megatron.scan.forked import beside
 
 
 @dataclass(kw_only=True)
@@ -66,16 +64,10 @@ STARVED_SLOWER_Z = 1.0
 
 
 def detect(data: DetectionInput, *, compute: Analyzer = peer_comparison, arrival: Analyzer = arrival_order,
-           pipeline: Analyzer = pipeline_analysis, host: Analyzer = host_starvation, progress=None,
-           workers: int = 1) -> Detection:
+           pipeline: Analyzer = pipeline_analysis, host: Analyzer = host_starvation, progress=None) -> Detection:
     """Run the four analyzers (each swappable) and combine their evidence. `progress`: a
-    megatron.app.progress.Reporter that counts the analyzers run (default: silent). `workers` 2:
-    the compute analyzer runs beside the other three, in a forked process (online detection's
-    analysis process, which is its own; see megatron.scan.forked)."""
-    if progress is None and workers >= 2 and hasattr(os, "fork"):
-        stage1, (stage2, stage3, stage4) = beside(lambda: compute(data), lambda: (arrival(data), pipeline(data),
-                                                                                     host(data)))
-    elif progress is None:
+    megatron.app.progress.Reporter that counts the analyzers run (default: silent)."""
+    if progress is None:
         stage1, stage2, stage3, stage4 = compute(data), arrival(data), pipeline(data), host(data)
     else:
         stages = [analyzer(data) for analyzer in progress.iterate(

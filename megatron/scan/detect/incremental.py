@@ -164,3 +164,35 @@ def concatenate(parts: list[DetectionInput], *, roles: dict, host: dict, gpu: di
                    arrivals=arrivals,
                    p2p=ordered([p.p2p for p in parts], "dst"), host=host, gpu=gpu, warnings=warnings,
                    **{name: ordered([getattr(p, name) for p in parts], "rank") for name in _ROWS})
+
+
+def differences(a: DetectionInput, b: DetectionInput) -> list[str]:
+    """The tables in which the window-by-window input `a` differs from a load of the whole
+    directory `b` (rows compared as sets where their order may differ; resolved instances against
+    resolving `b`'s rows): tests/scan/test_tail.py, benchmarks/incremental_equality.py."""
+    bad = [f"{name}.{column}" for name in ("compute", "layers", "iteration_time", "host")
+           for column in getattr(b, name)
+           if not np.array_equal(getattr(a, name)[column], getattr(b, name)[column], equal_nan=True)]
+
+    def rows(table, kinds=None) -> list:
+        columns = [c for c in table if c not in ("instance", "kind")]
+        named = [[kinds[k] if k >= 0 else None for k in table["kind"].tolist()]] if kinds is not None else []
+        return sorted(zip(*named, *[table[c].tolist() for c in columns]))
+
+    if rows(a.p2p) != rows(b.p2p):
+        bad.append("p2p")
+    if a.arrivals is None:
+        if rows(a.collectives, a.group_kinds) != rows(b.collectives, b.group_kinds):
+            bad.append("collectives")
+    else:  # instances resolved window by window: what the whole load's rows resolve to
+        stats, late, instances = resolve_arrivals(b.collectives, one_stage_rows(b, b.collectives))
+        if len(a.collectives["instance"]) or instances != a.arrivals["instances"]:
+            bad.append("collectives")
+        bad.extend(f"arrivals.{c}" for c in stats if not np.array_equal(stats[c], a.arrivals["stats"][c]))
+        if rows(late, b.group_kinds) != rows(a.arrivals["late"], a.group_kinds):
+            bad.append("arrivals.late")
+    if a.gpu != b.gpu:
+        bad.append("gpu")
+    if a.roles != b.roles:
+        bad.append("roles")
+    return bad

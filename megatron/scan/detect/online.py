@@ -40,8 +40,7 @@ MIN_SLOWDOWN = None
 
 def analyze(trace_dir: str | os.PathLike, first_iteration: int, last_iteration: int,
             fitted: dict[tuple[int, int], tuple[float, float]] | None = None, *,
-            min_slowdown: float | None = MIN_SLOWDOWN, source: WindowedInput | None = None,
-            workers: int = 1) -> dict | None:
+            min_slowdown: float | None = MIN_SLOWDOWN, source: WindowedInput | None = None) -> dict | None:
     """One online analysis of everything traced so far: the abnormal.json dict with `iterations`,
     and `alerts` (each with its printable `label`); None before MIN_ITERATIONS. `source` (kept
     across analyses) reads, matches and aligns each window once; without it, or for a directory
@@ -50,8 +49,7 @@ def analyze(trace_dir: str | os.PathLike, first_iteration: int, last_iteration: 
     written, so that each analysis fits only the new windows: fitting them all again was most of
     an analysis's cost (0.14 of 0.23 s at 24 windows of 4 ranks, and growing with the run), CPU
     taken from a busy host's training. `min_slowdown`: the compute analyzer's factor over a
-    rank's peers below which it names nobody. `workers` 2: the analyzers run in two processes
-    (combine.detect)."""
+    rank's peers below which it names nobody."""
     from megatron.scan.detect.combine import detect
     from megatron.scan.detect.compute import peer_comparison
     from megatron.scan.detect.host import host_starvation
@@ -65,7 +63,7 @@ def analyze(trace_dir: str | os.PathLike, first_iteration: int, last_iteration: 
     # Everything traced so far: a fault that began in the recent windows shows as an onset
     # against each rank's own earlier standing, not only once it dominates the history.
     detection = detect(data, compute=functools.partial(peer_comparison, min_slowdown=min_slowdown),
-                       host=functools.partial(host_starvation, recent=RECENT_ITERATIONS), workers=workers)
+                       host=functools.partial(host_starvation, recent=RECENT_ITERATIONS))
     result = as_dict(detection)
     # The files may already hold windows newer than the one that asked (an analysis that lagged):
     # name the newest iteration actually seen.
@@ -140,9 +138,6 @@ def serve() -> None:
     confirm = Confirmation()
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    # Two CPUs where the process may use them: the compute analyzer beside the other three. At
-    # SCHED_IDLE the second one too only runs on a CPU training leaves idle.
-    workers = min(ANALYSIS_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
     windows = DirectoryTail(trace_dir)  # parsed as it is polled: each window is read once
     source = WindowedInput(trace_dir, tail=windows)
     fitted: dict[tuple[int, int], tuple[float, float]] = {}
@@ -154,7 +149,7 @@ def serve() -> None:
             # training it slowed (the throttled rank's windows come late, and rank 0 polled).
             windows.wait_for(world_size, windows_done, wait_s)
             result = analyze(trace_dir, first_iteration, last_iteration, fitted,
-                             min_slowdown=settings["min_slowdown"], source=source, workers=workers)
+                             min_slowdown=settings["min_slowdown"], source=source)
             if result is not None:
                 result["alerts"], result["unconfirmed"] = confirm(result["alerts"])
                 result["settings"] = settings
@@ -169,11 +164,6 @@ def serve() -> None:
 # on 4 ranks over 2 cores rank 0's run-queue wait doubled while windows were analysed); elsewhere
 # nice ANALYSIS_NICE. The process lowers itself first thing, before any import.
 ANALYSIS_NICE = 10
-# Processes the analysis process runs its analyzers in (combine.detect's `workers`): at 4,096
-# ranks x 20 iterations the compute analyzer takes about as long as the other three. Parsing half
-# the files in a forked child was slower (5.1-5.8 s for a window instead of 2.5: the parent's
-# writes to the pages it shares with the child after the fork are copied).
-ANALYSIS_WORKERS = 2
 _BOOT = f"""import os
 try:
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
