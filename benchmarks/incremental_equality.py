@@ -8,7 +8,9 @@ whole load of the same files are built, and their tables and the detectors' outp
 
 Prints each prefix that differs and a summary line: directories, prefixes compared, prefixes with
 identical tables and identical detection output, directories the window-by-window input reads
-whole instead (a torchrun restart's attempts, files of several runs, an unreadable file)."""
+whole instead (a torchrun restart's attempts, files of several runs, an unreadable file), and
+prefixes whose compute statistics were joined from each window's (compared with those of the
+whole load's rows among the tables)."""
 from __future__ import annotations
 
 import json
@@ -37,7 +39,8 @@ def verdict(data) -> str:
 
 
 def main(directories: list[str]) -> int:
-    summary = {"directories": 0, "prefixes": 0, "same_tables": 0, "same_detection": 0, "read_whole": 0}
+    summary = {"directories": 0, "prefixes": 0, "same_tables": 0, "same_detection": 0, "read_whole": 0,
+               "compute_statistics_by_window": 0}
     for directory in directories:
         files = sorted(Path(directory).glob("benchmark-data-*.json"))
         if not files:
@@ -69,6 +72,7 @@ def main(directories: list[str]) -> int:
                     print(f"{directory}: read whole ({source.unusable})")
                     break
                 summary["prefixes"] += 1
+                summary["compute_statistics_by_window"] += data.compute_stats is not None
                 bad = differences(data, whole)
                 same = verdict(data) == verdict(whole)
                 summary["same_tables"] += not bad

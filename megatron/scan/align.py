@@ -18,7 +18,9 @@ import numpy as np
 
 from megatron.app.progress import Progress
 from megatron.scan.align_check import Causality, Judge
-from megatron.scan.align_solve import IRLS_STEPS, Problem, balanced_link_weights, components as connected, huber_loss
+from megatron.scan.align_shift import apply, cells, clock_bases, correction_ns, shift_at, tables_of
+from megatron.scan.align_solve import (IRLS_STEPS, Problem, balanced_link_weights, components as connected, huber_loss,
+                                      one_clock)
 from megatron.scan.keys import unique_rows
 from megatron.scan.load import GlobalTrace
 from megatron.scan.match import Collectives, P2PLinks
@@ -155,7 +157,7 @@ def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = N
     figures end worse is left to the caller, who has them all (Alignment.measures)."""
     c = trace.columns
     domains = clock_domains(trace)
-    bases = _bases(trace, domains)
+    bases = clock_bases(trace, domains.of_rank, len(domains.labels))
     anchor_instances = collectives.synchronous & ~collectives.op_mismatch & (collectives.members >= 2)
     rows = np.flatnonzero(collectives.row_instance >= 0)
     rows = rows[anchor_instances[collectives.row_instance[rows]]]
@@ -177,9 +179,9 @@ def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = N
         send, recv = p2p.send_rows, p2p.recv_rows
         new = ~np.isin(c["window"][send], known) & ~np.isin(c["window"][send], drift_windows)
         send, recv = send[new], recv[new]
-        tables = _tables(trace, domains, bases, fit.corrections)
-        send_end = c["end"][send] - _correction_ns(trace, domains, tables, send, c["end"][send])
-        recv_start = c["start"][recv] - _correction_ns(trace, domains, tables, recv, c["start"][recv])
+        tables = tables_of(bases, fit.corrections)
+        send_end = c["end"][send] - correction_ns(trace, domains.of_rank, tables, send, c["end"][send])
+        recv_start = c["start"][recv] - correction_ns(trace, domains.of_rank, tables, recv, c["start"][recv])
         waited = recv_start < send_end
         weight = balanced_link_weights(c["rank"][send], c["rank"][recv], c["window"][send]) * waited
         used = weight > 0
@@ -203,20 +205,28 @@ def align(trace: GlobalTrace, collectives: Collectives, p2p: P2PLinks | None = N
     # Causality holds under any load, the anchors' model does not: a fit that breaks it is replaced.
     known_windows = set(known.tolist())
     fitted_now = {w for (_, w) in fit.corrections if w not in known_windows}
-    drift_only = _tables(trace, domains, bases, {key: (0.0, drift) for key, (_, drift) in fit.corrections.items()})
+    drift_only = tables_of(bases, {key: (0.0, drift) for key, (_, drift) in fit.corrections.items()})
     notes = Causality(trace, collectives, p2p, domains.of_rank).respect(
-        fit.corrections, fit.references, lambda rows, times: _correction_ns(trace, domains, drift_only, rows, times),
+        fit.corrections, fit.references, lambda rows, times: correction_ns(trace, domains.of_rank, drift_only, rows, times),
         domains.labels, fitted_now, fit.scales)
     # Never worse than the raw clocks: the figures are judged on the raw times, before applying.
     judge = Judge(trace, collectives, p2p)
-    kept_raw, kept_notes = judge.keep_raw_where_worse(
-        fit.corrections, fitted_now,
-        lambda corrections: _correction_ns(trace, domains, _tables(trace, domains, bases, corrections),
-                                           judge.rows, judge.times), domains.of_rank, domains.labels, whole)
-    tables = _tables(trace, domains, bases, fit.corrections)
-    shift = _correction_ns(trace, domains, tables, judge.rows, judge.times)
+    shifts: dict[tuple, np.ndarray] = {}  # the judged rows' shift of the corrections (often asked twice)
+    judged_cells = cells(trace, domains.of_rank, bases.shape[1], judge.rows)  # millions of rows: looked up once
+
+    def shift_of(corrections: dict[tuple[int, int], tuple[float, float]]) -> np.ndarray:
+        key = tuple(sorted(corrections.items()))
+        if key not in shifts:
+            shifts[key] = shift_at(tables_of(bases, corrections), judged_cells, judge.times)
+        return shifts[key]
+
+    kept_raw, kept_notes = judge.keep_raw_where_worse(fit.corrections, fitted_now, shift_of, domains.of_rank,
+                                                      domains.labels, whole)
+    tables = tables_of(bases, fit.corrections)
+    shift = shift_of(fit.corrections)
+    shifts.clear()
     before, after = judge.figures(np.zeros_like(shift)), judge.figures(shift)
-    _apply(trace, domains, tables)
+    apply(trace, domains.of_rank, tables)
     alignment = _report(trace, domains, fit, kept_raw, rows, p2p_anchors, before, after,
                         ([domains.note] if domains.note else []) + notes + kept_notes)
     alignment.measures = (judge.measures(np.zeros_like(shift)), judge.measures(shift))
@@ -259,20 +269,6 @@ def fitted_windows(alignment: Alignment, windows: int) -> dict[tuple[int, int], 
             for rank, entry in alignment.ranks.items() for window, offset in entry.offset_us.items() if window < windows}
 
 
-def _bases(trace: GlobalTrace, domains: ClockDomains) -> np.ndarray:
-    """[domain, window] -> the wall ns a drift is measured from: the earliest start of that window
-    among the domain's ranks (they read one clock, so one origin serves them all)."""
-    windows = max([len(metas) for metas in trace.windows.values()] + [int(trace.columns["window"].max()) + 1
-                                                                       if len(trace) else 1])
-    base = np.full((len(domains.labels), windows), np.iinfo(np.int64).max, dtype=np.int64)
-    for rank, metas in trace.windows.items():
-        d = domains.of_rank[rank]
-        for window, meta in enumerate(metas):
-            base[d, window] = min(base[d, window], meta["clock"]["start"]["wall_ns"])
-    base[base == np.iinfo(np.int64).max] = 0
-    return base
-
-
 def _fit(trace: GlobalTrace, domains: ClockDomains, bases: np.ndarray, rows: np.ndarray, instance: np.ndarray,
          allow_drift: bool, prior: np.ndarray | None = None, progress: Progress | None = None,
          into: _Fit | None = None, memo: dict[tuple, tuple] | None = None) -> tuple[_Fit, np.ndarray]:
@@ -296,14 +292,31 @@ def _fit(trace: GlobalTrace, domains: ClockDomains, bases: np.ndarray, rows: np.
     node_keys, node = unique_rows(node_key[:, None])
     node_keys = node_keys[:, 0]
     node_start = bases[node_keys // windows, node_keys % windows]
-    # Center each instance in integer ns first: absolute wall ns do not fit a float's precision.
     _, inst_index = unique_rows(instance[:, None])
-    inst_min = np.full(inst_index.max() + 1, np.iinfo(np.int64).max, dtype=np.int64)
+    # An instance whose members all read one clock (a TP group inside a host: most anchors of a
+    # job with host identities) ties that clock only to itself: its residuals are the same
+    # whatever the corrections. It is left out of the fits, and of their robust scale, which is
+    # then the scatter of the anchors that do tie clocks; its residuals still count per rank.
+    # (An instance spans nodes where some member's node is not the one a member left written.)
+    one = np.empty(int(inst_index.max()) + 1, dtype=np.int64)
+    one[inst_index] = node
+    spans = (np.bincount(inst_index, weights=node != one[inst_index], minlength=len(one)) > 0)[inst_index]
+    if not spans.all():
+        alone = ~spans
+        # Centered on one member's finish (integer ns first: wall ns do not fit a float's precision).
+        one[inst_index[alone]] = end[alone]
+        _one_clock(fit, node_keys, windows, node[alone], inst_index[alone],
+                   (end[alone] - one[inst_index[alone]]) / 1e3, prior[alone], rank[alone], skip=np.unique(node[spans]))
+        node, instance, inst_index, end, prior, rank = (a[spans] for a in (node, instance, inst_index, end, prior, rank))
+        if not len(node):
+            return fit, np.zeros(0, dtype=np.int64)
+    # Center each instance in integer ns first: absolute wall ns do not fit a float's precision.
+    inst_min = np.full(len(one), np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(inst_min, inst_index, end)
     d_us = (end - inst_min[inst_index]) / 1e3
     tau_s = (end - node_start[node]) / 1e9
     component = connected(node, instance, len(node_keys))
-    components = np.unique(component)
+    components = np.unique(component[node])
     members = [np.flatnonzero(component == comp) for comp in components]
     anchors = np.bincount(component[node], minlength=int(component.max()) + 1)
     keys = [(tuple(node_keys[comp_nodes].tolist()), int(anchors[comp])) for comp, comp_nodes in zip(components, members)]
@@ -340,6 +353,21 @@ def _fit(trace: GlobalTrace, domains: ClockDomains, bases: np.ndarray, rows: np.
     return fit, np.array(sorted(drift_windows), dtype=np.int64)
 
 
+def _one_clock(fit: _Fit, node_keys: np.ndarray, windows: int, node: np.ndarray, instance: np.ndarray, d_us: np.ndarray,
+               prior: np.ndarray, rank: np.ndarray, skip: np.ndarray) -> None:
+    """Anchors of instances whose members share one node: their residuals counted per rank; a
+    node with no other anchor (not in `skip`) is a component of its own, kept on its raw clock."""
+    r, alone, scales = one_clock(node, instance, d_us, prior, skip)
+    fit.squares += np.bincount(rank, weights=r * r, minlength=len(fit.squares))[:len(fit.squares)]
+    fit.counts += np.bincount(rank, minlength=len(fit.counts))[:len(fit.counts)]
+    for key, scale in zip(node_keys[alone].tolist(), scales.tolist()):
+        domain, window = divmod(int(key), windows)
+        fit.corrections[(domain, window)] = (0.0, 0.0)
+        fit.scales[(domain, window)] = scale
+        fit.references.add((domain, window))
+        fit.models["offset"] += 1
+
+
 def _fit_component(keys: np.ndarray, local: np.ndarray, instance: np.ndarray, d_us: np.ndarray, tau_s: np.ndarray,
                    prior: np.ndarray, rank: np.ndarray, allow_drift: bool, tick) -> tuple:
     """One connected component's fit: its nodes' sorted keys, each anchor's node among them
@@ -367,52 +395,3 @@ def _fit_component(keys: np.ndarray, local: np.ndarray, instance: np.ndarray, d_
     if use_drift:
         x[n:] -= x[n + reference]
     return x, r, sigma, use_drift, rank[problem.order]
-
-
-def _tables(trace: GlobalTrace, domains: ClockDomains, bases: np.ndarray,
-            corrections: dict[tuple[int, int], tuple[float, float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """[domain, window] tables of offset (µs), drift (ppm) and drift origin (wall ns)."""
-    offset = np.zeros(bases.shape)
-    drift = np.zeros(bases.shape)
-    if corrections:
-        # A window without anchors on this host keeps the host's typical correction: the median
-        # of its windows' offsets, for every domain at once (one sort, not a median per domain).
-        domain = np.fromiter((d for d, _ in corrections), dtype=np.int64, count=len(corrections))
-        value = np.fromiter((v for v, _ in corrections.values()), dtype=np.float64, count=len(corrections))
-        order = np.lexsort((value, domain))
-        domain, value = domain[order], value[order]
-        first = np.flatnonzero(np.r_[True, domain[1:] != domain[:-1]])
-        count = np.diff(np.r_[first, len(domain)])
-        # the middle value, or the mean of the two middle ones (x + x halves back to x exactly)
-        offset[domain[first], :] = ((value[first + (count - 1) // 2] + value[first + count // 2]) / 2)[:, None]
-    for (domain, window), (value, rate) in corrections.items():
-        if window < bases.shape[1]:
-            offset[domain, window], drift[domain, window] = value, rate
-    return offset, drift, bases
-
-
-def _correction_ns(trace: GlobalTrace, domains: ClockDomains, tables, rows: np.ndarray,
-                   times: np.ndarray) -> np.ndarray:
-    """What to subtract from `times` (of event `rows`) to put them on the aligned clock."""
-    offset, drift, base = tables
-    domain, window = domains.of_rank[trace.columns["rank"][rows]], trace.columns["window"][rows]
-    return _shift_ns(offset[domain, window], drift[domain, window], base[domain, window], times)
-
-
-def _shift_ns(offset_us: np.ndarray, drift_ppm: np.ndarray, base_ns: np.ndarray, times: np.ndarray) -> np.ndarray:
-    """A clock's correction at `times` (ns): its offset plus its drift since the window's origin."""
-    tau_s = (times - base_ns) / 1e9
-    return np.round((offset_us + drift_ppm * tau_s) * 1e3).astype(np.int64)
-
-
-def _apply(trace: GlobalTrace, domains: ClockDomains, tables) -> None:
-    """_correction_ns over every row, with each row's table entries looked up once for both times."""
-    c = trace.columns
-    if not len(trace):
-        return
-    offset, drift, base = tables
-    cell = domains.of_rank[c["rank"]].astype(np.int64) * base.shape[1] + c["window"]
-    row_offset, row_drift, row_base = offset.ravel()[cell], drift.ravel()[cell], base.ravel()[cell]
-    del cell
-    for column in ("start", "end"):
-        c[column] -= _shift_ns(row_offset, row_drift, row_base, c[column])

@@ -158,6 +158,24 @@ class Problem:
         return x, r, scale
 
 
+def one_clock(node: np.ndarray, instance: np.ndarray, d_us: np.ndarray, prior: np.ndarray, skip: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Anchors of instances whose members share one node (no unknown to fit): each residual (its
+    finish less its instance's `prior`-weighted mean, 0 where the weights are), and the nodes not
+    in `skip` (no other anchor) with their robust scale (µs, at least 1, as a fit's)."""
+    total = np.bincount(instance, weights=prior)
+    mean = np.divide(np.bincount(instance, weights=prior * d_us), total, out=np.zeros(len(total)), where=total > 0)
+    r = d_us - mean[instance]
+    alone = ~np.isin(node, skip)
+    node, spread = node[alone], np.abs(r[alone])
+    order = np.lexsort((spread, node))
+    node, spread = node[order], spread[order]
+    first = np.flatnonzero(np.r_[True, node[1:] != node[:-1]]) if len(node) else node
+    count = np.diff(np.r_[first, len(node)])
+    middle = (spread[first + (count - 1) // 2] + spread[first + count // 2]) / 2
+    return r, node[first], np.maximum(1.4826 * middle, 1.0)
+
+
 def _by_member_set(node: np.ndarray, instance: np.ndarray) -> np.ndarray:
     """The order of observations (sorted by instance, then node) that puts instances by size, then
     by their member nodes (the same instance order otherwise), each instance's observations kept."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron.scan.keys import unique_rows
 from megatron.scan.load import GlobalTrace
 from megatron.scan.trace_format import FLAG_ASYNC, FLAG_BACKWARD
 
@@ -49,22 +50,21 @@ def match_collectives(trace: GlobalTrace) -> Collectives:
         empty = np.zeros(0, dtype=np.int64)
         return Collectives(row_instance=row_instance, group=empty, seq=empty, members=empty, expected=empty,
                            op_mismatch=empty.astype(bool), synchronous=empty.astype(bool))
-    key = c["group"][rows].astype(np.int64) << 40 | c["seq"][rows]
-    unique_keys, inverse = np.unique(key, return_inverse=True)
+    # Instances numbered in (group, seq) order
+    unique_keys, inverse = unique_rows(np.stack([c["group"][rows], c["seq"][rows]], axis=1))
     row_instance[rows] = inverse
-    group = (unique_keys >> 40).astype(np.int64)
-    seq = unique_keys & ((1 << 40) - 1)
+    group, seq = unique_keys[:, 0], unique_keys[:, 1]
     members = np.bincount(inverse, minlength=len(unique_keys))
     sizes = np.array([len(g["ranks"]) for g in trace.groups], dtype=np.int64)
     expected = sizes[group]
+    # Members that disagree on the operation: some member's name is not the one a member left written.
     names = c["name"][rows]
-    op_low = np.full(len(unique_keys), np.iinfo(np.int32).max, dtype=np.int64)
-    op_high = np.full(len(unique_keys), -1, dtype=np.int64)
-    np.minimum.at(op_low, inverse, names)
-    np.maximum.at(op_high, inverse, names)
+    one = np.empty(len(unique_keys), dtype=names.dtype)
+    one[inverse] = names
+    op_mismatch = np.bincount(inverse, weights=names != one[inverse], minlength=len(unique_keys)) > 0
     async_count = np.bincount(inverse, weights=(c["flags"][rows] & FLAG_ASYNC) > 0, minlength=len(unique_keys))
     return Collectives(row_instance=row_instance, group=group, seq=seq, members=members, expected=expected,
-                       op_mismatch=op_low != op_high, synchronous=async_count == 0)
+                       op_mismatch=op_mismatch, synchronous=async_count == 0)
 
 
 def _keyed_rows(trace: GlobalTrace, name: str, sender_side: bool) -> tuple[np.ndarray, np.ndarray]:

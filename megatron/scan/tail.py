@@ -80,8 +80,8 @@ class RankTail:
         chosen = self.columns[first:last]
         if any(c is None for c in chosen):
             raise ValueError(f"{self.path}: windows before {first + chosen.index(None) + 1} were released")
-        columns = {name: np.concatenate([c[name] for c in chosen]) if chosen
-                   else np.zeros(0, dtype=kind) for name, kind in MERGED_TYPES.items()}
+        columns = {name: (chosen[0][name] if len(chosen) == 1 else np.concatenate([c[name] for c in chosen])) if chosen
+                   else np.zeros(0, dtype=kind) for name, kind in MERGED_TYPES.items()}  # one window: not copied
         if chosen:
             columns["window"] = np.repeat(np.arange(len(chosen), dtype=np.int32), [len(c["window"]) for c in chosen])
         return RankFile(path=self.path, header=self.header, windows=self.windows[first:last], names=list(self.names),

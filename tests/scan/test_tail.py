@@ -86,6 +86,8 @@ def test_input_built_window_by_window_is_the_whole_directory_s(tmp_path):
             assert differences(data, whole) == [], (written, behind)
             assert _verdict(data) == _verdict(whole), (written, behind)
             assert source.done == written - behind  # windows every rank has are built once and kept
+            # the compute statistics joined from each window's (differences compared them)
+            assert data.compute_stats is not None
     tail = source.tail.files[names[0]]
     assert all(columns is None for columns in tail.columns)  # the events of built windows were let go
 

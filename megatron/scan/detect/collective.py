@@ -5,7 +5,6 @@ one sample (a rank late at a bucket is late at the next), and lateness that cost
 time is no fault."""
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,8 +65,7 @@ def one_stage_rows(data: DetectionInput, t: dict[str, np.ndarray]) -> np.ndarray
     for r, role in data.roles.items():
         stage_of_rank[r] = stages[role.stage]
     stage = stage_of_rank[t["rank"].astype(np.int64)]
-    instance_ids, inverse = np.unique(t["instance"], return_inverse=True)
-    inverse = inverse.reshape(-1)
+    instance_ids, inverse = unique_rows(np.asarray(t["instance"])[:, None])
     low = np.full(len(instance_ids), np.iinfo(np.int64).max)
     high = np.full(len(instance_ids), np.iinfo(np.int64).min)
     np.minimum.at(low, inverse, stage)
@@ -87,7 +85,7 @@ def resolve_arrivals(t: dict[str, np.ndarray], rows: np.ndarray | None = None
                 {c: np.zeros(0, dtype=np.float64 if c == "lateness_ms" else np.int64) for c in LATE_COLUMNS}, 0)
     # Rows grouped by instance (one sort of integers; no sort by arrival within an instance is
     # needed: the latest and second-latest arrivals are maxima).
-    order = order[np.argsort(t["instance"][order])]
+    order = order[np.argsort(t["instance"][order], kind="stable")]
     instance, rank, arrive = t["instance"][order], t["rank"][order], t["arrive"][order]
     kind, size = t["kind"][order], t["group_size"][order]
     iteration = t["iteration"][order] if "iteration" in t else np.zeros(len(order), dtype=np.int64)
@@ -206,15 +204,15 @@ def arrival_order(data: DetectionInput, *, z_rank: float = 3.0, min_lateness_ms:
     cost[has_cost] = costs
     # The group kinds it was last at, most often first (ties by name: the same whatever the
     # rows' order, which differs between a whole load and the windows resolved one by one).
-    late_order = np.argsort(late_of, kind="stable")
-    bounds = np.searchsorted(late_of[late_order], np.arange(n + 1))
-    kinds = late["kind"][late_order].tolist()
+    kinds = len(data.group_kinds)
+    named = late["kind"] >= 0
+    times_last = np.bincount(late_of[named] * kinds + late["kind"][named], minlength=n * kinds).reshape(n, kinds)
     findings: dict[int, ArrivalFinding] = {}
     for r in data.world:
         j = int(np.searchsorted(present, r))
         if j == n or present[j] != r:
             continue
-        groups = Counter(data.group_kinds[k] for k in kinds[bounds[j]:bounds[j + 1]] if k >= 0)
+        groups = {data.group_kinds[k]: count for k, count in enumerate(times_last[j].tolist()) if count}
         findings[r] = ArrivalFinding(rank=r, instances=int(count[j]), last=int(last[j]),
                                      expected_last=float(expected[j]), z=float(z[j]),
                                      waited_on_ms=float(waited_on[j]), median_lateness_ms=float(median[j]),

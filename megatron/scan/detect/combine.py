@@ -379,7 +379,11 @@ def json_friendly(obj: Any) -> Any:
                 if not f.metadata.get("internal")}
     if isinstance(obj, dict):
         return {str(k): json_friendly(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, (list, tuple)):  # lists of one type (a rank's peers, a series): no call per value
+        if all(type(v) in _AS_IS for v in obj):
+            return list(obj)
+        if all(type(v) is float for v in obj):
+            return [None if v != v else round(v, 4) for v in obj]
         return [json_friendly(v) for v in obj]
     if isinstance(obj, (float, np.floating)):
         value = float(obj)

@@ -157,6 +157,13 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = Z_INSTANCE, z_r
     for rank in compared:
         on_host.setdefault(host_of[rank], []).append(rank)
     tests = len(data.world) * COMPUTE_MEASURES
+    chances: dict[int, float] = {}
+    if median_null is not None:  # every rank's at once, by series length
+        for length, ranks_of_length in by_length.items():
+            if length:
+                chances.update(zip(ranks_of_length, median_null.chances(
+                    np.array([series_median[r] for r in ranks_of_length]),
+                    np.stack([compared[r][0] - series_median[r] for r in ranks_of_length]), tests).tolist()))
     for rank, (per_iteration, iterations, evidence, peers, own) in compared.items():
         if not len(per_iteration):
             continue
@@ -168,7 +175,7 @@ def peer_comparison(data: DetectionInput, *, z_instance: float = Z_INSTANCE, z_r
                                   onset_pool=onset_pool, onset_tests=onset_tests, baseline_errors=baseline_errors,
                                   best_onset=best_onsets.get(rank, False), between=between,
                                   median=series_median[rank], median_null=median_null,
-                                  tests=tests)
+                                  tests=tests, chance=chances.get(rank))
     # Ranks with no same-stage peer (PP-only layouts): with per-layer spans, every transformer
     # layer of any stage runs the same kernels, so ranks of one TP index compare layer by layer.
     lonely = [r for r in data.world if r not in findings]
@@ -314,7 +321,7 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
              onset_tests: int = 1, baseline_errors: BaselineErrors | None = None,
              best_onset: tuple[float, float, int] | None | bool = False,
              between: tuple[float, float] | None = None, median: float | None = None,
-             median_null: MedianNull | None = None, tests: int = 1) -> ComputeFinding:
+             median_null: MedianNull | None = None, tests: int = 1, chance: float | None = None) -> ComputeFinding:
     """`per_iteration`: the rank's log ratio to its peers per iteration; `evidence`: its task
     instances compared, how many were slow, their median log ratio and the slowest (_compared);
     `own`: its own log busy
@@ -328,18 +335,19 @@ def _finding(rank: int, peers: list[int], per_iteration: np.ndarray, iteration_n
     busy total is judged by the chance of a median this high in a job of `tests` comparisons:
     heavy-tailed iterations make a high median likelier than the ranks' spread says, and a rank
     slow in half its iterations (a burst) stands out by how many, where its median's z or its
-    share of slower iterations does not."""
+    share of slower iterations does not (`chance`: that chance, when already worked out)."""
     median = float(np.median(per_iteration)) if median is None else float(median)
     z = median / (1.2533 * iteration_noise / np.sqrt(len(per_iteration)))
     consistent = bool(np.mean(per_iteration > 0) >= min_consistency) if len(per_iteration) >= 4 else True
     # Among many ranks, also against how far healthy ranks' medians spread (`between`, see
     # between_rank_spread): persistent differences of healthy devices are not iteration noise.
     apart = between is None or median > z_rank * between[0]
-    chance = float("nan")
     if median_null is not None:
-        chance = median_null.chance(median, len(per_iteration), tests, own=per_iteration - median)
+        if chance is None:
+            chance = median_null.chance(median, len(per_iteration), tests, own=per_iteration - median)
         flagged = bool(chance < JOB_FALSE_ALARM / COMPUTE_MEASURES and np.exp(median) >= min_slowdown)
     else:
+        chance = float("nan")
         flagged = bool(z > z_rank and np.exp(median) >= min_slowdown and consistent and apart)
     measure = "total"
     typical_slowdown, typical_z, typical_slower = float("nan"), float("nan"), 0

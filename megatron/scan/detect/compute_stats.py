@@ -18,6 +18,9 @@ evidence: how many were slow, which were slowest). (1) needs only each rank's ow
 A stage of up to REFERENCE_PEERS ranks is all reference: rank 0 holds its rows and compares them
 as before. `compute_statistics` runs both rounds in one process over a whole job's input (the
 full analysis), with the same functions, so the full and per-node analyses name the same ranks.
+A job's input that grows window by window (online detection, detect.incremental) has each
+window's part made once (`window_part`) and the parts joined at each analysis
+(`windows_statistics`), with the same numbers.
 
 The statistics (`merge_statistics` of the parts) are tables of numpy columns:
 * series: one row per (rank, iteration): log busy total over the stage's shared tasks (nan in an
@@ -33,16 +36,13 @@ import numpy as np
 
 from megatron.scan.detect.model import DetectionInput, table_rows, unique_rows
 from megatron.scan.detect.reference import reference_ranks, stage_members
+from megatron.scan.detect.task_evidence import finish_statistics, merge_statistics, ratios as task_ratios
 from megatron.scan.detect.typical import group_median
 from megatron.scan.speed import log_ratio_to_peers
 
 _MAD = 1.4826
 # A task counts as slow past Z_INSTANCE pair-noise widths (or 2%) above its reference.
 Z_INSTANCE = 2.0
-WORST_TASKS = 5
-SERIES_COLUMNS = ("rank", "iteration", "tasks", "total", "all_total", "typical")
-RANK_COLUMNS = ("rank", "instances", "slow", "task_median", "forward_busy", "backward_busy")
-WORST_COLUMNS = ("rank", "iteration", "kind", "chunk", "microbatch", "ratio")
 # Packed task key: iteration << 32 | kind << 31 | chunk << 20 | microbatch (a layer call's:
 # iteration << 32 | kind << 31 | layer).
 _CHUNKS, _MICROBATCHES = 1 << 11, 1 << 20
@@ -93,31 +93,50 @@ def compute_plan(reports: list[dict], data: DetectionInput, *, z_instance: float
     typical call is a layer's, its reference ranks and, where they are a sample, their median log
     busy per task and per call; the task noise and the bar past which a task counts as slow."""
     ranks = np.unique(np.concatenate([r["ranks"] for r in reports])) if reports else np.zeros(0, np.int64)
-    layer_ranks = set(np.concatenate([r["layer_ranks"] for r in reports]).tolist()) if reports else set()
-    reference = reference_ranks(data.roles)
-    own = np.isin(data.compute["rank"], reference)
-    t = table_rows(data.compute, own)
-    stages: dict[tuple, dict] = {}
-    for stage, members in sorted(stage_members(data.roles).items()):
-        members = members[np.isin(members, ranks)]  # those with compute rows
-        if not len(members):
-            continue
+    layer_ranks = np.concatenate([r["layer_ranks"] for r in reports]) if reports else np.zeros(0, np.int64)
+    t = _reference_rows(data)
+    stages = plan_stages(data.roles, ranks, layer_ranks)
+    for stage, entry in stages.items():
         shared = None
         for report in reports:
             if stage in report["shared"]:
                 keys = report["shared"][stage]
                 shared = keys if shared is None else np.intersect1d(shared, keys, assume_unique=True)
-        entry = {"members": members, "shared": shared if shared is not None else np.zeros(0, np.int64),
-                 "layers": bool(layer_ranks) and all(int(r) in layer_ranks for r in members),
-                 "reference": members[np.isin(members, reference)]}
-        if len(entry["reference"]) < len(members):  # a sample: the nodes compare with its medians
-            rows = np.isin(t["rank"], entry["reference"])
-            entry["task_median"] = group_median(np.log(np.maximum(t["busy"][rows], 1).astype(np.float64)),
-                                                task_keys(table_rows(t, rows)))
-            entry["call_median"] = _call_medians(data, entry)
-        stages[stage] = entry
-    noise = task_noise(t)
-    return {"stages": stages, "noise": noise, "slow_bar": max(z_instance * noise * np.sqrt(2.0), np.log(1.02))}
+        entry["shared"] = shared if shared is not None else np.zeros(0, np.int64)
+        if len(entry["reference"]) < len(entry["members"]):  # a sample: the nodes compare with its medians
+            _sample_medians(entry, t, data)
+    return {"stages": stages, **_slow_bar(task_noise(t), z_instance)}
+
+
+def plan_stages(roles: dict, ranks: np.ndarray, layer_ranks: np.ndarray) -> dict[tuple, dict]:
+    """Per stage (sorted) with compute rows: its members (`ranks`: those with compute rows),
+    whether its typical call is a layer's (every member has layer rows: `layer_ranks`), its
+    reference ranks."""
+    reference = reference_ranks(roles)
+    layer_ranks = set(np.asarray(layer_ranks).tolist())
+    stages: dict[tuple, dict] = {}
+    for stage, members in sorted(stage_members(roles).items()):
+        members = members[np.isin(members, ranks)]  # those with compute rows
+        if len(members):
+            stages[stage] = {"members": members, "layers": bool(layer_ranks) and all(int(r) in layer_ranks for r in members),
+                             "reference": members[np.isin(members, reference)]}
+    return stages
+
+
+def _reference_rows(data: DetectionInput) -> dict[str, np.ndarray]:
+    return table_rows(data.compute, np.isin(data.compute["rank"], reference_ranks(data.roles)))
+
+
+def _sample_medians(entry: dict, t: dict[str, np.ndarray], data: DetectionInput) -> None:
+    """The reference's median log busy per task (from its compute rows in `t`) and per call."""
+    rows = np.isin(t["rank"], entry["reference"])
+    entry["task_median"] = group_median(np.log(np.maximum(t["busy"][rows], 1).astype(np.float64)),
+                                        task_keys(table_rows(t, rows)))
+    entry["call_median"] = _call_medians(data, entry)
+
+
+def _slow_bar(noise: float, z_instance: float) -> dict:
+    return {"noise": noise, "slow_bar": max(z_instance * noise * np.sqrt(2.0), np.log(1.02))}
 
 
 def task_noise(t: dict[str, np.ndarray]) -> float:
@@ -167,30 +186,36 @@ def rank_statistics(part: DetectionInput, plan: dict) -> dict[str, dict[str, np.
     """Round 2 on a node (or over a whole job): the statistics of `part`'s ranks. Ranks of a
     sampled stage that are not reference ranks are compared here with the plan's medians; for
     the others only their totals and busy medians (rank 0 compares them: reference_statistics)."""
-    out = [_totals(part, plan)]
-    sampled = [entry for entry in plan["stages"].values() if "task_median" in entry]
+    return finish_statistics([_rank_part(part, plan)], plan["slow_bar"], busy=_busy_table(part.compute))
+
+
+def _rank_part(part: DetectionInput, plan: dict) -> dict:
+    """rank_statistics before the slow bar and the medians over every iteration: the series
+    (each row one rank and iteration) and, per sampled stage, the task ratios (_ratios)."""
+    out = {"series": [_total_series(part, plan)], "groups": {}}
+    sampled = [(stage, entry) for stage, entry in plan["stages"].items() if "task_median" in entry]
     t, layers = part.compute, part.layers
     top = max([int(t["rank"].max()) if len(t["rank"]) else 0, int(layers["rank"].max()) if len(layers["rank"]) else 0])
     which = np.full(top + 1, -1, dtype=np.int64)  # rank -> the sampled stage it is compared in here
-    for i, entry in enumerate(sampled):
+    for i, (_, entry) in enumerate(sampled):
         compared = entry["members"][~np.isin(entry["members"], entry["reference"])]
         which[compared[compared <= top]] = i
     task_stage, layer_stage = which[t["rank"].astype(np.int64)], which[layers["rank"].astype(np.int64)]
-    for i, entry in enumerate(sampled):
+    for i, (stage, entry) in enumerate(sampled):
         rows = task_stage == i
         if rows.any():
-            out.append(_against_medians(part, entry, rows, layer_stage == i if entry["layers"] else rows,
-                                        plan["slow_bar"]))
-    return merge_statistics(out)
+            series, ratios = _against_medians(part, entry, rows, layer_stage == i if entry["layers"] else rows)
+            out["series"].append(series)
+            out["groups"][(0, stage)] = ratios
+    return out
 
 
-def _totals(part: DetectionInput, plan: dict) -> dict[str, dict[str, np.ndarray]]:
-    """Per (rank, iteration): log busy total over its stage's shared tasks and over all its tasks;
-    per rank: median forward and backward busy."""
+def _total_series(part: DetectionInput, plan: dict) -> dict[str, np.ndarray] | None:
+    """Per (rank, iteration): log busy total over its stage's shared tasks and over all its tasks."""
     t = part.compute
     rank, busy = t["rank"].astype(np.int64), t["busy"]
     if not len(rank):
-        return merge_statistics([])
+        return None
     key = task_keys(t)
     stages, stage_of = _stage_ids(part)
     shared = np.zeros(len(rank), dtype=bool)
@@ -205,32 +230,37 @@ def _totals(part: DetectionInput, plan: dict) -> dict[str, dict[str, np.ndarray]
     summed = np.bincount(inverse[shared], weights=np.exp(log_busy[shared]), minlength=len(cells))
     counted = np.bincount(inverse[shared], minlength=len(cells))
     total = np.where(counted > 0, np.log(np.where(counted > 0, summed, 1.0)), np.nan)
-    series = {"rank": cells[:, 0], "iteration": cells[:, 1], "tasks": np.bincount(inverse, minlength=len(cells)),
-              "total": total, "all_total": all_total,
-              "typical": np.full(len(cells), np.nan)}
+    return {"rank": cells[:, 0], "iteration": cells[:, 1], "tasks": np.bincount(inverse, minlength=len(cells)),
+            "total": total, "all_total": all_total, "typical": np.full(len(cells), np.nan)}
+
+
+def _busy_table(t: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """Per rank of the compute table `t`: median forward and backward busy (what-if replay and
+    the report's heatmap), over every iteration."""
+    rank, busy = t["rank"].astype(np.int64), t["busy"]
+    if not len(rank):
+        return None
     ranks = np.unique(rank)
-    kind = t["kind"].astype(np.int64)
-    medians = np.full(len(ranks) * 2, np.nan)
-    groups, values = group_median(busy.astype(np.float64), np.searchsorted(ranks, rank) * 2 + np.clip(kind, 0, 1))
-    medians[groups] = values
-    table = {"rank": ranks, "instances": np.zeros(len(ranks), np.int64), "slow": np.zeros(len(ranks), np.int64),
-             "task_median": np.full(len(ranks), np.nan), "forward_busy": medians[0::2], "backward_busy": medians[1::2]}
-    return {"series": series, "ranks": table, "worst": _empty(WORST_COLUMNS)}
+    backward = t["kind"].astype(np.int64) > 0
+    medians = np.full((2, len(ranks)), np.nan)
+    for k, rows in enumerate((~backward, backward)):  # a direction's rows stay in rank order: no sort
+        groups, values = group_median(busy[rows].astype(np.float64), np.searchsorted(ranks, rank[rows]))
+        medians[k, groups] = values
+    return {"rank": ranks, "instances": np.zeros(len(ranks), np.int64), "slow": np.zeros(len(ranks), np.int64),
+            "task_median": np.full(len(ranks), np.nan), "forward_busy": medians[0], "backward_busy": medians[1]}
 
 
-def _against_medians(part: DetectionInput, entry: dict, rows: np.ndarray, cell_rows: np.ndarray,
-                     slow_bar: float) -> dict:
+def _against_medians(part: DetectionInput, entry: dict, rows: np.ndarray, cell_rows: np.ndarray) -> tuple[dict, dict]:
     """The ranks of the task `rows` (not reference ranks) against the reference's median per task
-    and per call (`cell_rows`: their rows of the table the calls come from)."""
+    and per call (`cell_rows`: their rows of the table the calls come from): (typical series, task ratios)."""
     t = part.compute
     sub = table_rows(t, rows)
     ranks = np.unique(sub["rank"]).astype(np.int64)
     ratio = np.log(np.maximum(sub["busy"], 1).astype(np.float64)) - _lookup(entry["task_median"], task_keys(sub))
-    evidence = _evidence(sub, ratio, ranks, slow_bar)
     rank, key, value = _cells(part, ranks, entry["layers"], cell_rows)
     typical = value - _lookup(entry["call_median"], key)
     cell, per_iteration = group_median(typical, np.searchsorted(ranks, rank) * (1 << 31) + (key >> 32))
-    return {"series": _typical_series(ranks, cell, per_iteration), "ranks": evidence["ranks"], "worst": evidence["worst"]}
+    return _typical_series(ranks, cell, per_iteration), task_ratios(sub, ratio, ranks)
 
 
 def _typical_series(ranks: np.ndarray, cell: np.ndarray, per_iteration: np.ndarray) -> dict[str, np.ndarray]:
@@ -240,34 +270,17 @@ def _typical_series(ranks: np.ndarray, cell: np.ndarray, per_iteration: np.ndarr
             "total": nothing, "all_total": nothing, "typical": per_iteration}
 
 
-def _evidence(t: dict[str, np.ndarray], ratio: np.ndarray, ranks: np.ndarray, slow_bar: float) -> dict:
-    """Per rank: task instances compared (ratio not nan), those past `slow_bar`, the median
-    ratio; and its WORST_TASKS highest ratios with their tasks."""
-    valid = ~np.isnan(ratio)
-    col = np.searchsorted(ranks, t["rank"][valid])
-    r = ratio[valid]
-    instances = np.bincount(col, minlength=len(ranks))
-    slow = np.bincount(col[r > slow_bar], minlength=len(ranks))
-    median = np.full(len(ranks), np.nan)
-    groups, values = group_median(r, col)
-    median[groups] = values
-    order = np.lexsort((-r, col))  # by rank, slowest first
-    first = np.searchsorted(col[order], np.arange(len(ranks)))
-    position = np.arange(len(order)) - first[col[order]]
-    top = order[position < WORST_TASKS]
-    worst = {"rank": ranks[col[top]], **{c: t[c][valid][top].astype(np.int64) for c in ("iteration", "kind", "chunk", "microbatch")},
-             "ratio": r[top]}
-    table = {"rank": ranks, "instances": instances, "slow": slow, "task_median": median,
-             "forward_busy": np.full(len(ranks), np.nan), "backward_busy": np.full(len(ranks), np.nan)}
-    return {"ranks": table, "worst": worst}
-
-
 def reference_statistics(data: DetectionInput, plan: dict) -> dict[str, dict[str, np.ndarray]]:
     """On rank 0: each stage's reference ranks against each other (the median of the others at
     each task and call), from their rows in `data`."""
+    return finish_statistics([_reference_part(data, plan)], plan["slow_bar"])
+
+
+def _reference_part(data: DetectionInput, plan: dict) -> dict:
+    """reference_statistics before the slow bar and the medians over every iteration (as _rank_part)."""
     t = data.compute
-    out = []
-    for entry in plan["stages"].values():
+    out = {"series": [], "groups": {}}
+    for stage, entry in plan["stages"].items():
         ranks = entry["reference"]
         if len(entry["members"]) < 2:
             continue  # no peer: judged against its own history (compute.peer_comparison)
@@ -278,47 +291,14 @@ def reference_statistics(data: DetectionInput, plan: dict) -> dict[str, dict[str
         matrix = np.full((len(keys), len(ranks)), np.nan)  # [task instance, rank] log busy
         matrix[inverse, col] = np.log(np.maximum(sub["busy"], 1).astype(np.float64))
         ratios = log_ratio_to_peers(matrix)
-        evidence = _evidence(sub, ratios[inverse, col], ranks, plan["slow_bar"])
         rank, key, value = _cells(data, ranks, entry["layers"])
         cells, cell_of = np.unique(key, return_inverse=True)
         grid = np.full((len(cells), len(ranks)), np.nan)  # [iteration and call, rank] median log busy
         grid[cell_of, np.searchsorted(ranks, rank)] = value
         typical = log_ratio_to_peers(grid)[cell_of, np.searchsorted(ranks, rank)]
         cell, per_iteration = group_median(typical, np.searchsorted(ranks, rank) * (1 << 31) + (key >> 32))
-        out.append({"series": _typical_series(ranks, cell, per_iteration), "ranks": evidence["ranks"], "worst": evidence["worst"]})
-    return merge_statistics(out)
-
-
-def _empty(columns: tuple[str, ...]) -> dict[str, np.ndarray]:
-    return {c: np.zeros(0) for c in columns}
-
-
-def merge_statistics(parts: list[dict]) -> dict[str, dict[str, np.ndarray]]:
-    """One table per kind from several parts' (nodes', rank 0's): rows of one (rank, iteration)
-    or rank from different parts combine, each column taking the part's value where it has one
-    (a rank's totals come from its node, its comparison from its node or from rank 0)."""
-    out = {}
-    for name, columns, keys in (("series", SERIES_COLUMNS, ("rank", "iteration")), ("ranks", RANK_COLUMNS, ("rank",)),
-                                ("worst", WORST_COLUMNS, None)):
-        tables = [p[name] for p in parts if len(p[name]["rank"])]
-        cat = {c: np.concatenate([tb[c] for tb in tables]) if tables else np.zeros(0) for c in columns}
-        if keys is None or not len(cat["rank"]):
-            out[name] = cat
-            continue
-        index, inverse = unique_rows(np.stack([cat[k].astype(np.int64) for k in keys], axis=1))
-        merged = {k: index[:, i] for i, k in enumerate(keys)}
-        for c in columns:
-            if c in keys:
-                continue
-            values = np.full(len(index), np.nan)
-            given = ~np.isnan(cat[c].astype(np.float64))
-            if c in ("instances", "slow", "tasks"):  # counts: 0 where no part compared the rank
-                values = np.zeros(len(index), np.int64)
-                np.add.at(values, inverse, cat[c].astype(np.int64))
-            else:
-                values[inverse[given]] = cat[c][given]
-            merged[c] = values
-        out[name] = merged
+        out["series"].append(_typical_series(ranks, cell, per_iteration))
+        out["groups"][(1, stage)] = task_ratios(sub, ratios[inverse, col], ranks)
     return out
 
 
@@ -327,6 +307,46 @@ def compute_statistics(data: DetectionInput, *, z_instance: float) -> tuple[dict
     plan = compute_plan([node_report(data)], data, z_instance=z_instance)
     stats = merge_statistics([rank_statistics(data, plan), reference_statistics(data, plan)])
     return plan, stats
+
+
+def window_part(part: DetectionInput, stages: dict[tuple, dict]) -> dict:
+    """What some windows of a growing job's input (`part`: their tables) add to its statistics,
+    for `stages` (plan_stages of the whole job so far): per stage the tasks every member ran, and
+    the series and task ratios of _rank_part and _reference_part against a plan of these windows
+    alone. A task and a call name their iteration, which lies in one window, so their reference
+    medians are these windows' own; what spans windows (the task noise, the slow bar, medians
+    over every iteration) is left to `windows_statistics`."""
+    t = part.compute
+    shared: dict[tuple, np.ndarray] = {}
+    if len(t["rank"]):
+        stages_here, stage_of = _stage_ids(part)
+        rank = t["rank"].astype(np.int64)
+        pairs = unique_rows(np.stack([stage_of[rank], task_keys(t), rank], axis=1))[0]
+        for s in np.unique(pairs[:, 0]).tolist():
+            if s >= 0 and stages_here[s] in stages:
+                keys, counts = np.unique(pairs[pairs[:, 0] == s, 1], return_counts=True)
+                shared[stages_here[s]] = keys[counts == len(stages[stages_here[s]]["members"])]
+    # The whole job's reference ranks (a part of windows some ranks lack has fewer roles)
+    references = np.concatenate([np.zeros(0, np.int64)] + [entry["reference"] for entry in stages.values()])
+    reference = table_rows(t, np.isin(t["rank"], references))
+    plan = {"stages": {}, "slow_bar": np.nan}
+    for stage, entry in stages.items():
+        entry = plan["stages"][stage] = {**entry, "shared": shared.get(stage, np.zeros(0, np.int64))}
+        if len(entry["reference"]) < len(entry["members"]):
+            _sample_medians(entry, reference, part)
+    own, others = _rank_part(part, plan), _reference_part(part, plan)
+    return {"shared": shared, "series": own["series"] + others["series"], "groups": {**own["groups"], **others["groups"]}}
+
+
+def windows_statistics(parts: list[dict], data: DetectionInput, stages: dict[tuple, dict], *,
+                       z_instance: float) -> tuple[dict, dict]:
+    """compute_statistics(data) from its windows' window_part (made for the same `stages`):
+    (plan without the reference medians, which only the parts use; statistics)."""
+    joined_stages = {stage: {**entry, "shared": np.sort(np.concatenate(
+        [np.zeros(0, np.int64)] + [p["shared"][stage] for p in parts if stage in p["shared"]]))}
+        for stage, entry in stages.items()}
+    plan = {"stages": joined_stages, **_slow_bar(task_noise(_reference_rows(data)), z_instance)}
+    return plan, finish_statistics(parts, plan["slow_bar"], busy=_busy_table(data.compute))
 
 
 def busy_medians(data: DetectionInput) -> dict[tuple[int, int], float]:

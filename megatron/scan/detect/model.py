@@ -63,7 +63,9 @@ class DetectionInput:
     # Per-node reductions of a large job (megatron.scan.detect.reference, summary): each rank's
     # compute comparison (compute.reduce_compute) and each P2P link's (p2p.reduce_links), made on
     # the ranks' nodes; `compute`, `layers` and `p2p` then hold the reference ranks' rows only
-    # (P2P: the messages they received). None: every rank's rows are here.
+    # (P2P: the messages they received). None: every rank's rows are here. The window-by-window
+    # input (detect.incremental) also sets compute_stats, joined from its windows', beside every
+    # rank's rows.
     compute_stats: dict | None = None
     link_stats: dict | None = None
 
@@ -106,7 +108,7 @@ def nested_busy(rank: np.ndarray, start: np.ndarray, end: np.ndarray, rows: np.n
         if not len(these) or not len(w):
             continue
         axis = (rank - first).astype(np.int64) * span
-        order = w[np.argsort(axis[w] + (start[w] - low))]
+        order = w[np.argsort(axis[w] + (start[w] - low), kind="stable")]
         own, begin, stop = axis[rows[these]], start[rows[these]] - low, end[rows[these]] - low
         waited = _overlap(own, begin, begin, stop, axis[order] + (start[order] - low), start[order] - low,
                           end[order] - low)
@@ -199,8 +201,8 @@ def _busy(rows: np.ndarray, b: np.ndarray, cr: np.ndarray, rank: np.ndarray, sta
     """busy_compute for `rows` with their ranks' boundary rows `b` and collective rows `cr`
     (times from 0, below `span`; ranks from 0, few enough that rank x span fits in int64)."""
     axis = rank.astype(np.int64) * span
-    b_key = np.sort(axis[b] + start[b])
-    c_order = cr[np.argsort(axis[cr] + start[cr])]
+    b_key = np.sort(axis[b] + start[b], kind="stable")
+    c_order = cr[np.argsort(axis[cr] + start[cr], kind="stable")]
     c_key = axis[c_order] + start[c_order]
     c_start, c_end = start[c_order], end[c_order]
     own = axis[rows]
@@ -224,9 +226,8 @@ def _overlap(own: np.ndarray, first: np.ndarray, begin: np.ndarray, stop: np.nda
     inside = np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count) + lo[owner]
     # Clipped to the span's window: a wait running past it is not this span's.
     overlap = np.clip(np.minimum(w_end[inside], stop[owner]) - np.maximum(w_start[inside], begin[owner]), 0, None)
-    waited = np.zeros(len(own), dtype=np.int64)
-    np.add.at(waited, owner, overlap.astype(np.int64))
-    return waited
+    # Summed as floats, exact for integers below 2^53 ns (104 days of waiting in one span)
+    return np.bincount(owner, weights=overlap, minlength=len(own)).astype(np.int64)
 
 
 def _tensor_parallel_start(c: dict[str, np.ndarray], rows: np.ndarray, roles: dict[int, RankRole]) -> np.ndarray:

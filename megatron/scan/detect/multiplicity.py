@@ -153,3 +153,17 @@ class MedianNull:
             return 1.0
         q = self._share_above(median - _LEVELS * self.persistent, None if own is None else np.sort(own))
         return tests * float(np.sum(_LEVEL_WEIGHTS * _binomial_tail((n + 1) // 2, n, q)))
+
+    def chances(self, medians: np.ndarray, owns: np.ndarray, tests: int) -> np.ndarray:
+        """chance() of many ranks of one series length at once (the same numbers): `medians`
+        [ranks], `owns` [ranks, n] each rank's values left out of the pool."""
+        owns = np.asarray(owns, dtype=np.float64)
+        count, n = owns.shape
+        if not len(self.pool) or n < 1:
+            return np.ones(count)
+        x = np.asarray(medians, dtype=np.float64)[:, None] - _LEVELS[None, :] * self.persistent  # [ranks, levels]
+        above = len(self.pool) - np.searchsorted(self.pool, x, side="left")
+        # a rank's own values at or above x: all but those below (an unordered count, as searchsorted's)
+        above = above - (n - (owns[:, None, :] < x[:, :, None]).sum(axis=2))
+        tails = _binomial_tail((n + 1) // 2, n, above / max(len(self.pool) - n, 1))
+        return np.array([tests * float(np.sum(_LEVEL_WEIGHTS * row)) for row in tails])

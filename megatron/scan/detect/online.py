@@ -7,7 +7,9 @@ agree on it (Confirmation)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import gc
 import json
 import os
 import queue
@@ -38,6 +40,21 @@ RECENT_ITERATIONS = 3
 MIN_SLOWDOWN = None
 
 
+@contextlib.contextmanager
+def _without_cyclic_gc():
+    """The cyclic garbage collector paused: an analysis makes millions of short-lived objects
+    (the parsed lines) beside many long-lived ones, and the collector's passes over them took
+    0.3-0.9 s of a 10 s analysis at 4,096 ranks. Reference counting frees nearly all of them;
+    the rest waits for the collector's next pass after the analysis."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
+
+
 def analyze(trace_dir: str | os.PathLike, first_iteration: int, last_iteration: int,
             fitted: dict[tuple[int, int], tuple[float, float]] | None = None, *,
             min_slowdown: float | None = MIN_SLOWDOWN, source: WindowedInput | None = None) -> dict | None:
@@ -55,16 +72,17 @@ def analyze(trace_dir: str | os.PathLike, first_iteration: int, last_iteration: 
     from megatron.scan.detect.host import host_starvation
     from megatron.scan.detect.report import as_dict
 
-    data = source.build() if source is not None else None
-    if data is None:
-        data = _whole(trace_dir, fitted)
-    if len(np.unique(data.compute["iteration"])) < MIN_ITERATIONS:
-        return None  # the first iterations (warm-up) alone are no baseline
-    # Everything traced so far: a fault that began in the recent windows shows as an onset
-    # against each rank's own earlier standing, not only once it dominates the history.
-    detection = detect(data, compute=functools.partial(peer_comparison, min_slowdown=min_slowdown),
-                       host=functools.partial(host_starvation, recent=RECENT_ITERATIONS))
-    result = as_dict(detection)
+    with _without_cyclic_gc():
+        data = source.build() if source is not None else None
+        if data is None:
+            data = _whole(trace_dir, fitted)
+        if len(np.unique(data.compute["iteration"])) < MIN_ITERATIONS:
+            return None  # the first iterations (warm-up) alone are no baseline
+        # Everything traced so far: a fault that began in the recent windows shows as an onset
+        # against each rank's own earlier standing, not only once it dominates the history.
+        detection = detect(data, compute=functools.partial(peer_comparison, min_slowdown=min_slowdown),
+                           host=functools.partial(host_starvation, recent=RECENT_ITERATIONS))
+        result = as_dict(detection)
     # The files may already hold windows newer than the one that asked (an analysis that lagged):
     # name the newest iteration actually seen.
     newest = max(last_iteration, int(data.compute["iteration"].max()))

@@ -173,12 +173,11 @@ def reduce_links(t: dict[str, np.ndarray], plan: dict | None) -> dict[str, dict[
     producer wait (how long a receiver waited for its sender to be ready) summed per sender
     ("producer_wait") and per receiver ("receive_wait"). Without a plan, the waits only."""
     producer_wait = np.maximum(t["send_start"] - t["recv_start"], 0) / 1e6
-    senders, send_of = np.unique(t["src"], return_inverse=True)
-    receivers, receive_of = np.unique(t["dst"], return_inverse=True)
-    out = {"producer_wait": {"rank": senders.astype(np.int64),
-                             "ms": np.bincount(send_of.reshape(-1), weights=producer_wait, minlength=len(senders))},
-           "receive_wait": {"rank": receivers.astype(np.int64),
-                            "ms": np.bincount(receive_of.reshape(-1), weights=producer_wait, minlength=len(receivers))}}
+    (senders, send_of), (receivers, receive_of) = (unique_rows(np.asarray(t[c])[:, None]) for c in ("src", "dst"))
+    out = {"producer_wait": {"rank": senders[:, 0].astype(np.int64),
+                             "ms": np.bincount(send_of, weights=producer_wait, minlength=len(senders))},
+           "receive_wait": {"rank": receivers[:, 0].astype(np.int64),
+                            "ms": np.bincount(receive_of, weights=producer_wait, minlength=len(receivers))}}
     if plan is None:
         return out
     if not len(t["src"]):
@@ -189,7 +188,7 @@ def reduce_links(t: dict[str, np.ndarray], plan: dict | None) -> dict[str, dict[
     pairs, pair_id = unique_rows(np.stack([t["src"], t["dst"]], axis=1))
     # The rows in link order once: each median's own sort of the link ids then finds them sorted
     # (a median does not depend on the order of its values).
-    by_link = np.argsort(pair_id)
+    by_link = np.argsort(pair_id, kind="stable")
     pair_id, residual, delivery, baseline_of, gbps = (a[by_link] for a in
                                                       (pair_id, residual, delivery, baseline_of, gbps))
     out["links"] = {"src": pairs[:, 0].astype(np.int64), "dst": pairs[:, 1].astype(np.int64),
