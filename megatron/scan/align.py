@@ -304,9 +304,11 @@ def _fit(trace: GlobalTrace, domains: ClockDomains, bases: np.ndarray, rows: np.
     if not spans.all():
         alone = ~spans
         # Centered on one member's finish (integer ns first: wall ns do not fit a float's precision).
-        one[inst_index[alone]] = end[alone]
+        member_end = np.empty(len(one), dtype=np.int64)
+        member_end[inst_index[alone]] = end[alone]
         _one_clock(fit, node_keys, windows, node[alone], inst_index[alone],
-                   (end[alone] - one[inst_index[alone]]) / 1e3, prior[alone], rank[alone], skip=np.unique(node[spans]))
+                   (end[alone] - member_end[inst_index[alone]]) / 1e3, prior[alone], rank[alone],
+                   skip=np.unique(node[spans]))
         node, instance, inst_index, end, prior, rank = (a[spans] for a in (node, instance, inst_index, end, prior, rank))
         if not len(node):
             return fit, np.zeros(0, dtype=np.int64)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron.scan.keys import group_middles
 from megatron.scan.load import GlobalTrace
 
 Tables = tuple[np.ndarray, np.ndarray, np.ndarray]  # offset µs, drift ppm, drift origin wall ns
@@ -31,14 +32,10 @@ def tables_of(bases: np.ndarray, corrections: dict[tuple[int, int], tuple[float,
     if corrections:
         # A window without anchors on this host keeps the host's typical correction: the median
         # of its windows' offsets, for every domain at once (one sort, not a median per domain).
-        domain = np.fromiter((d for d, _ in corrections), dtype=np.int64, count=len(corrections))
-        value = np.fromiter((v for v, _ in corrections.values()), dtype=np.float64, count=len(corrections))
-        order = np.lexsort((value, domain))
-        domain, value = domain[order], value[order]
-        first = np.flatnonzero(np.r_[True, domain[1:] != domain[:-1]])
-        count = np.diff(np.r_[first, len(domain)])
-        # the middle value, or the mean of the two middle ones (x + x halves back to x exactly)
-        offset[domain[first], :] = ((value[first + (count - 1) // 2] + value[first + count // 2]) / 2)[:, None]
+        domain, typical = group_middles(
+            np.fromiter((d for d, _ in corrections), dtype=np.int64, count=len(corrections)),
+            np.fromiter((v for v, _ in corrections.values()), dtype=np.float64, count=len(corrections)))
+        offset[domain, :] = typical[:, None]
     for (domain, window), (value, rate) in corrections.items():
         if window < bases.shape[1]:
             offset[domain, window], drift[domain, window] = value, rate

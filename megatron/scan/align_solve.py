@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron.scan.keys import unique_rows
+from megatron.scan.keys import group_middles, unique_rows
 
 HUBER_K = 1.5
 IRLS_STEPS = 8
@@ -167,13 +167,8 @@ def one_clock(node: np.ndarray, instance: np.ndarray, d_us: np.ndarray, prior: n
     mean = np.divide(np.bincount(instance, weights=prior * d_us), total, out=np.zeros(len(total)), where=total > 0)
     r = d_us - mean[instance]
     alone = ~np.isin(node, skip)
-    node, spread = node[alone], np.abs(r[alone])
-    order = np.lexsort((spread, node))
-    node, spread = node[order], spread[order]
-    first = np.flatnonzero(np.r_[True, node[1:] != node[:-1]]) if len(node) else node
-    count = np.diff(np.r_[first, len(node)])
-    middle = (spread[first + (count - 1) // 2] + spread[first + count // 2]) / 2
-    return r, node[first], np.maximum(1.4826 * middle, 1.0)
+    nodes, middle = group_middles(node[alone], np.abs(r[alone]))
+    return r, nodes, np.maximum(1.4826 * middle, 1.0)
 
 
 def _by_member_set(node: np.ndarray, instance: np.ndarray) -> np.ndarray:

@@ -191,7 +191,7 @@ def rank_statistics(part: DetectionInput, plan: dict) -> dict[str, dict[str, np.
 
 def _rank_part(part: DetectionInput, plan: dict) -> dict:
     """rank_statistics before the slow bar and the medians over every iteration: the series
-    (each row one rank and iteration) and, per sampled stage, the task ratios (_ratios)."""
+    (each row one rank and iteration) and, per sampled stage, the task ratios (task_evidence.ratios)."""
     out = {"series": [_total_series(part, plan)], "groups": {}}
     sampled = [(stage, entry) for stage, entry in plan["stages"].items() if "task_median" in entry]
     t, layers = part.compute, part.layers
@@ -243,7 +243,7 @@ def _busy_table(t: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
     ranks = np.unique(rank)
     backward = t["kind"].astype(np.int64) > 0
     medians = np.full((2, len(ranks)), np.nan)
-    for k, rows in enumerate((~backward, backward)):  # a direction's rows stay in rank order: no sort
+    for k, rows in enumerate((~backward, backward)):  # a direction's rows come in rank order (runs)
         groups, values = group_median(busy[rows].astype(np.float64), np.searchsorted(ranks, rank[rows]))
         medians[k, groups] = values
     return {"rank": ranks, "instances": np.zeros(len(ranks), np.int64), "slow": np.zeros(len(ranks), np.int64),

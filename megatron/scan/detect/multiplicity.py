@@ -127,13 +127,9 @@ class MedianNull:
         noise = self._median_spread(iterations)
         self.persistent = float(np.sqrt(max(spread * spread - noise * noise, 0.0)))
 
-    def _share_above(self, x: np.ndarray, own: np.ndarray | None = None) -> np.ndarray:
-        """Share of the pool at or above each x; `own` (sorted): values left out of the pool."""
-        above = len(self.pool) - np.searchsorted(self.pool, x, side="left")
-        if own is None or not len(own):
-            return above / max(len(self.pool), 1)
-        above = above - (len(own) - np.searchsorted(own, x, side="left"))
-        return above / max(len(self.pool) - len(own), 1)
+    def _share_above(self, x: np.ndarray) -> np.ndarray:
+        """Share of the pool at or above each x."""
+        return (len(self.pool) - np.searchsorted(self.pool, x, side="left")) / max(len(self.pool), 1)
 
     def _median_spread(self, n: int) -> float:
         """Robust spread (quartiles / 1.349) of the median of n draws from the pool."""
@@ -149,21 +145,20 @@ class MedianNull:
         iterations stands at least `median` (upper middle value counted: conservative for even
         n). `own`: the judged rank's values in the pool, left out (a burst is no evidence of how
         common bursts are)."""
-        if not len(self.pool) or n < 1:
-            return 1.0
-        q = self._share_above(median - _LEVELS * self.persistent, None if own is None else np.sort(own))
-        return tests * float(np.sum(_LEVEL_WEIGHTS * _binomial_tail((n + 1) // 2, n, q)))
+        owns = np.zeros((1, 0)) if own is None else np.asarray(own, dtype=np.float64)[None, :]
+        return float(self.chances(np.array([median], dtype=np.float64), owns, tests, n)[0])
 
-    def chances(self, medians: np.ndarray, owns: np.ndarray, tests: int) -> np.ndarray:
-        """chance() of many ranks of one series length at once (the same numbers): `medians`
-        [ranks], `owns` [ranks, n] each rank's values left out of the pool."""
+    def chances(self, medians: np.ndarray, owns: np.ndarray, tests: int, n: int | None = None) -> np.ndarray:
+        """chance() of many ranks at once: `medians` [ranks] of n iterations each (default: the
+        width of `owns`), `owns` [ranks, k] each rank's values left out of the pool."""
         owns = np.asarray(owns, dtype=np.float64)
-        count, n = owns.shape
+        count, k = owns.shape
+        n = k if n is None else n
         if not len(self.pool) or n < 1:
             return np.ones(count)
         x = np.asarray(medians, dtype=np.float64)[:, None] - _LEVELS[None, :] * self.persistent  # [ranks, levels]
         above = len(self.pool) - np.searchsorted(self.pool, x, side="left")
-        # a rank's own values at or above x: all but those below (an unordered count, as searchsorted's)
-        above = above - (n - (owns[:, None, :] < x[:, :, None]).sum(axis=2))
-        tails = _binomial_tail((n + 1) // 2, n, above / max(len(self.pool) - n, 1))
+        # a rank's own values at or above x: all but those below (an unordered count, as a sort's)
+        above = above - (k - (owns[:, None, :] < x[:, :, None]).sum(axis=2))
+        tails = _binomial_tail((n + 1) // 2, n, above / max(len(self.pool) - k, 1))
         return np.array([tests * float(np.sum(_LEVEL_WEIGHTS * row)) for row in tails])
