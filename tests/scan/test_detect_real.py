@@ -39,18 +39,36 @@ def trace_dirs(tmp_path_factory):
 
 
 def traced(trace_dirs, tmp_path_factory, name: str) -> Path:
-    """Each run once per module (the healthy one serves two tests)."""
+    """Each run once per module (the healthy one serves two tests). A healthy run in which the
+    host itself made a rank slower is run once more: with 4 ranks on 2 shared cores, one rank can
+    lose its CPU to the others (or to another job) for most of a run, and is then slower in fact,
+    not by the detector's error (alone, 0 of 11 such runs named a rank; with a busy loop beside them,
+    1 of 10: 1.58x in its busy total at 3.5 standard errors, its tasks preempted up to 11x; a busy
+    CI host named a rank 1.34x in its typical call). Two such runs in a row fail the tests."""
     if name not in trace_dirs:
         scenario = RUNS[name]
         if scenario.throttles and not CGROUP:
             pytest.skip("external throttle needs a writable cgroup v1 cpu hierarchy (root; /sys/fs/cgroup/cpu)")
-        directory = tmp_path_factory.mktemp(name)
-        result = run(scenario, directory, timeout=300)
-        assert result.returncode == 0, result.stdout[-3000:]
-        for out in result.fault_output:
-            assert "[fault] released" in out, out  # the throttle was applied and undone
+        for attempt in range(2 if not scenario.expected else 1):
+            directory = tmp_path_factory.mktemp(name)
+            result = run(scenario, directory, timeout=300)
+            assert result.returncode == 0, result.stdout[-3000:]
+            for out in result.fault_output:
+                assert "[fault] released" in out, out  # the throttle was applied and undone
+            if scenario.expected or attempt == 1 or not _names_anyone(directory):
+                break
         trace_dirs[name] = directory
     return trace_dirs[name]
+
+
+def _names_anyone(trace_dir: Path) -> bool:
+    proc = python(["-m", "megatron.scan", "detect", str(trace_dir), "--json", "--no-html", "-j", "1"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    suspects = json.loads(proc.stdout)["suspects"]
+    if suspects:
+        print(f"healthy run {trace_dir} named {[s['ranks'] for s in suspects]}: {suspects[0]['evidence']}; "
+              "running it once more")
+    return bool(suspects)
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
