@@ -422,7 +422,7 @@ def replay_windows(directory: Path, confirm_analyses: int = 2):
     the analysis process's own CPU use, which runs at idle priority, is missing). Alerts are those
     Confirmation(confirm_analyses) reports, as --online-detect-confirm does live."""
     from megatron.scan.detect.incremental import WindowedInput
-    from megatron.scan.detect.online import MIN_ITERATIONS, Confirmation, analyze
+    from megatron.scan.detect.online import MIN_ITERATIONS, Confirmation, analyze, default_history
 
     lines = {path.name: path.read_bytes().splitlines(keepends=True)
              for path in directory.glob("benchmark-data-*.json")}
@@ -431,7 +431,8 @@ def replay_windows(directory: Path, confirm_analyses: int = 2):
     fitted: dict = {}
     confirm = Confirmation(confirm_analyses)
     with tempfile.TemporaryDirectory() as scratch:
-        source = WindowedInput(scratch)  # as the analysis process reads the growing files
+        # as the analysis process reads the growing files
+        source = WindowedInput(scratch, history=default_history(len(lines)))
         for k in range(MIN_ITERATIONS, min(len(e) for e in ends.values()) + 1):
             for name, rows in lines.items():
                 (Path(scratch) / name).write_bytes(b"".join(rows[:ends[name][k - 1]]))

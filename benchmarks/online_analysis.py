@@ -11,7 +11,8 @@ Appending takes no part in the timing.
     python benchmarks/online_analysis.py /tmp/job            # each window read, aligned and tabled once
     python benchmarks/online_analysis.py /tmp/job --whole    # every file read whole each time
 
-Prints one JSON line per window (seconds) and the peak memory. Goal at 4,096 ranks: one online
+Prints one JSON line per window (seconds, resident memory, the iterations analysed) and the peak
+memory. `--history N` as the job's --online-detect-history (0: every traced iteration). Goal at 4,096 ranks: one online
 analysis <= 10 s on a 2-core machine."""
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ import megatron.scan.load as load_module  # noqa: E402
 import megatron.scan.match as match_module  # noqa: E402
 import megatron.scan.tail as tail_module  # noqa: E402
 from megatron.scan.detect.incremental import WindowedInput  # noqa: E402
-from megatron.scan.detect.online import analyze  # noqa: E402
+from megatron.scan.detect.online import analyze, default_history  # noqa: E402
 from megatron.scan.load import retain_freed_memory  # noqa: E402
 
 # step -> (module or class, function): each call's time is added to its step
@@ -87,12 +88,21 @@ def _line(path: Path, ends: list[int], index: int) -> bytes:
         return f.read(ends[index] - start)
 
 
+def _resident_mb() -> int:
+    """This process's resident memory now (the peak is printed at the end)."""
+    with open("/proc/self/statm") as f:
+        return round(int(f.read().split()[1]) * resource.getpagesize() / 2**20)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", help="a trace directory written in windows (its files are only read)")
     parser.add_argument("--whole", action="store_true",
                         help="read every file whole before each analysis (the path of a restarted job's directory)")
+    parser.add_argument("--history", type=int, default=None, metavar="N",
+                        help="traced iterations each analysis covers, as --online-detect-history (default: its "
+                             "default for the job's size, 20 at 4,096 ranks; 0: every one)")
     parser.add_argument("--scratch", default=None, help="where the directory is grown (default: a temporary one)")
     args = parser.parse_args(argv)
     source_dir = Path(args.directory)
@@ -114,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         windows = min(len(e) - 2 for e in ends.values())  # header and end record
         for name in names:
             (scratch / name).write_bytes(_line(source_dir / name, ends[name], 0))
-        source = None if args.whole else WindowedInput(scratch)
+        history = default_history(len(names)) if args.history is None else args.history
+        source = None if args.whole else WindowedInput(scratch, history=history or None)
         fitted: dict = {}
         for window in range(1, windows + 1):
             for name in names:
@@ -127,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({
                 "window": window, "ranks": len(names), "analysis_s": round(took, 2),
                 "steps_s": {step: round(value, 2) for step, value in seconds.items()},
+                "rss_mb": _resident_mb(), "analysed": None if result is None else result["history"],
                 "verdict": None if result is None else result["verdict"],
                 "suspects": None if result is None else [alert["ranks"][:4] for alert in result["alerts"]]}),
                 flush=True)

@@ -93,6 +93,14 @@ class RankTail:
         for k in range(min(before, len(self.columns))):
             self.columns[k] = None
 
+    def forget(self, before: int) -> None:
+        """Let go of windows 0 .. before-1 entirely: their events, and of their metadata all but
+        the window and iteration numbers (the per-iteration metrics grow with a long run)."""
+        self.release(before)
+        for k in range(min(before, len(self.windows))):
+            if len(self.windows[k]) > 2:
+                self.windows[k] = {"window": self.windows[k].get("window"), "iterations": self.windows[k]["iterations"]}
+
 
 class DirectoryTail:
     """Every rank file of a trace directory, read incrementally (`poll`), new files included."""

@@ -28,7 +28,7 @@ def test_injected_slowdown_is_reported_during_the_run(tmp_path):
         "--micro-batch-size", "2", "--global-batch-size", "16", "--mock-data", "--vocab-size", "256",
         "--device", "cpu", "--train-iters", "14", "--pipeline-model-parallel-size", "2",
         "--trace", "--trace-dir", str(tmp_path), "--trace-interval", "1", "--continuous-trace-iterations", "1",
-        "--online-detect", "--inject-slowdown", f"1:4:{ONSET}"], nproc=4, timeout=300)
+        "--online-detect", "--online-detect-history", "8", "--inject-slowdown", f"1:4:{ONSET}"], nproc=4, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     alerts = re.findall(r"online detection \(iterations (\d+)-(\d+)\): rank (\d+) ", proc.stderr)
     first_for_rank_1 = min((int(last) for _, last, rank in alerts if rank == "1"), default=None)
@@ -38,6 +38,9 @@ def test_injected_slowdown_is_reported_during_the_run(tmp_path):
     assert first_for_rank_1 >= ONSET and not [a for a in alerts if a[2] != "1"], alerts  # no false alert
     saved = json.loads((tmp_path / "online_abnormal.json").read_text())
     assert any(alert["ranks"] == [1] for alert in saved["alerts_so_far"])
+    # The last analysis covered the newest 8 traced iterations (one-iteration windows), and still
+    # named the rank slow since before them.
+    assert saved["history"] == [6, 13] and [s["ranks"] for s in saved["suspects"]] == [[1]], saved["history"]
 
 
 ALERT = re.compile(r"online detection \(iterations (\d+)-(\d+)\): rank (\d+) ")
@@ -136,11 +139,13 @@ def test_a_finding_of_one_analyzer_is_reported_once_consecutive_analyses_agree()
     assert [a["ranks"] for a in Confirmation(1)([alert(3, "host")])[0]] == [[3]]
 
 
-def test_online_detect_confirm_below_one_is_refused_with_what_to_pass(tmp_path):
+@pytest.mark.parametrize("flag, value, says", [("--online-detect-confirm", "0", "1 reports at once"),
+                                               ("--online-detect-history", "3", "use at least 6")])
+def test_online_detect_settings_out_of_range_are_refused_with_what_to_pass(tmp_path, flag, value, says):
     proc = torchrun("pretrain_gpt.py", [
         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "1", "--global-batch-size", "1", "--mock-data", "--vocab-size", "64",
         "--device", "cpu", "--train-iters", "2", "--trace", "--trace-dir", str(tmp_path),
-        "--online-detect", "--online-detect-confirm", "0"], nproc=1, timeout=120)
+        "--online-detect", flag, value], nproc=1, timeout=120)
     assert proc.returncode != 0
-    assert "--online-detect-confirm 0" in proc.stderr and "1 reports at once" in proc.stderr, proc.stderr[-2000:]
+    assert f"{flag} {value}" in proc.stderr and says in proc.stderr, proc.stderr[-2000:]

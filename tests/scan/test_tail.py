@@ -123,3 +123,61 @@ def test_when_aligned_clocks_leave_the_whole_trace_worse_every_window_is_on_raw_
     whole = from_aggregation(aggregation)
     assert differences(data, whole) == []
     assert _verdict(data) == _verdict(whole)
+
+
+def test_with_a_history_each_analysis_covers_the_newest_windows_and_lets_older_ones_go(tmp_path):
+    """--online-detect-history: at every step the input is a whole load of a directory holding only
+    the newest windows with at least `history` iterations (5 of 3-iteration windows: the newest 2),
+    down to the verdict; older windows' tables and metrics are let go, so a long run's memory and
+    analysis time stay bounded."""
+    lines = _job(tmp_path / "job", dp=4, iterations=18, window_iterations=3, offsets_ms={5: 3.0, 9: -2.0},
+                 drift_ppm={7: 20.0})
+    names = sorted(lines)
+    run = tmp_path / "run"
+    source = WindowedInput(run, history=5)
+    for written in range(1, 7):
+        _write(run, lines, {name: written for name in names})
+        data = source.build()
+        kept = min(written, 2)
+        only = tmp_path / f"only{written}"  # header and the newest `kept` windows of every file
+        only.mkdir()
+        for name, file_lines in lines.items():
+            (only / name).write_bytes(b"\n".join([file_lines[0], *file_lines[1 + written - kept:1 + written]]) + b"\n")
+        whole = from_aggregation(aggregate(only, None, jobs=1))
+        assert np.unique(data.compute["iteration"]).tolist() == list(range(3 * (written - kept), 3 * written))
+        assert differences(data, whole) == [], written
+        assert _verdict(data) == _verdict(whole), written
+        assert len(source.committed) == kept and source.forgotten == written - kept
+    tail = source.tail.files[names[0]]
+    assert all(set(meta) == {"window", "iterations"} for meta in tail.windows[:4])  # no metrics kept
+    assert all("metrics" in meta for meta in tail.windows[4:])
+
+
+def test_the_analysis_process_covers_the_history_asked_for(tmp_path):
+    """--online-detect-history reaches the analysis process: with 6, each analysis of a job of
+    3-iteration windows covers its newest 2 windows, and says so in online_abnormal.json."""
+    from megatron.scan.detect.online import OnlineDetector
+
+    lines = _job(tmp_path / "job", dp=4, iterations=18, window_iterations=3)
+    detector = OnlineDetector(tmp_path / "run", world_size=len(lines), history=6, wait_s=5.0)
+    try:
+        for written in range(2, 7):
+            _write(tmp_path / "run", lines, {name: written for name in lines})
+            detector.submit(written, 3 * written - 6, 3 * written - 1)
+            deadline = time.monotonic() + 60
+            path = tmp_path / "run" / "online_abnormal.json"
+            while time.monotonic() < deadline and not (
+                    path.exists() and json.loads(path.read_text())["history"][1] == 3 * written - 1):
+                time.sleep(0.05)
+            assert json.loads(path.read_text())["history"] == [3 * written - 6, 3 * written - 1]
+    finally:
+        detector.close()
+    assert detector.worker.returncode == 0
+
+
+def test_the_default_history_keeps_ranks_times_iterations_bounded():
+    """50 traced iterations for small jobs; fewer for large ones, so one analysis's memory and
+    time stay near those measured at 4,096 ranks x 20 iterations; never fewer than 20."""
+    from megatron.scan.detect.online import default_history
+
+    assert [default_history(n) for n in (1, 4, 1024, 1638, 2048, 4096, 16384)] == [50, 50, 50, 50, 40, 20, 20]

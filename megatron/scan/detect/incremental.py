@@ -27,12 +27,19 @@ from megatron.scan.tail import DirectoryTail, RankTail
 
 
 class WindowedInput:
-    """DetectionInput of everything traced so far in `directory` (`build`)."""
+    """DetectionInput of everything traced so far in `directory` (`build`), or with `history`, of
+    the newest whole windows that hold at least `history` traced iterations: older windows' tables
+    and metadata are let go, so that a long run's analyses keep to a bounded memory and time."""
 
-    def __init__(self, directory: str | os.PathLike, tail: DirectoryTail | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike, tail: DirectoryTail | None = None, *,
+                 history: int | None = None) -> None:
+        if history is not None and history < 1:
+            raise ValueError(f"history={history}: the traced iterations an analysis covers, at least 1 (None: all)")
         self.tail = tail or DirectoryTail(directory)
-        self.committed: list[_Part] = []  # one per group of windows every rank had written
+        self.history = history
+        self.committed: list[_Part] = []  # one per window every rank has written (in the history)
         self.done = 0  # windows committed
+        self.forgotten = 0  # windows before this one are out of the history (their tables let go)
         self.unusable: str | None = None  # why this directory is read whole instead (then build() is None)
 
     def build(self) -> DetectionInput | None:
@@ -46,10 +53,14 @@ class WindowedInput:
         counts = [len(t.windows) for t in tails]
         common, newest = min(counts), max(counts)
         if common > self.done:
-            self.committed.append(_part(tails, self.done, common))
+            # One part per window: a history lets go of whole parts (and windows are matched and
+            # aligned on their own anyway).
+            self.committed.extend(_part(tails, window, window + 1) for window in range(self.done, common))
             for t in tails:
                 t.release(common)
             self.done = common
+        if self.history is not None:
+            self._forget_before(_history_start(max(tails, key=lambda t: len(t.windows)).windows, self.history), tails)
         parts = list(self.committed)
         if newest > common:
             parts.append(_part(tails, common, newest))
@@ -64,12 +75,31 @@ class WindowedInput:
 
         on_raw = bool(worse(figures(1), figures(0)))
         by_rank = {int(t.header["rank"]): t for t in sorted(tails, key=lambda t: int(t.header["rank"]))}
-        windows = {rank: t.windows for rank, t in by_rank.items()}
+        windows = {rank: t.windows[self.forgotten:] for rank, t in by_rank.items()}
         data = concatenate([p.raw if on_raw else p.aligned for p in parts],
                            roles=roles_of({rank: t.header for rank, t in by_rank.items()}),
                            host=host_table(windows), gpu=gpu_summaries(windows),
                            warnings=missing_ranks(int(tails[0].header["world_size"]), by_rank))
         return data if on_raw else _with_compute_statistics(data, parts)
+
+    def _forget_before(self, window: int, tails: list[RankTail]) -> None:
+        """Let go of the committed windows before `window`: their tables and their metadata."""
+        while self.committed and self.committed[0].windows[1] <= window:
+            self.forgotten = self.committed.pop(0).windows[1]
+        for t in tails:
+            t.forget(self.forgotten)
+
+
+def _history_start(windows: list[dict], history: int) -> int:
+    """The newest window from which `windows` hold at least `history` traced iterations (0 when
+    they hold fewer)."""
+    held = 0
+    for k in range(len(windows) - 1, -1, -1):
+        first, last = windows[k]["iterations"]
+        held += last - first + 1
+        if held >= history:
+            return k
+    return 0
 
 
 def _unusable(tails: list[RankTail]) -> str | None:
@@ -95,6 +125,7 @@ class _Part:
     aligned: DetectionInput
     raw: DetectionInput
     measures: tuple
+    windows: tuple[int, int]  # the windows it holds, first .. last-1
     # (the job's stages it was made for, compute_stats.window_part of `aligned`)
     compute: tuple = (None, None)
 
@@ -122,7 +153,7 @@ def _part(tails: list[RankTail], first: int, last: int) -> _Part | None:
         raw = from_aggregation(aggregation)
     # The raw clocks' tables are rarely read (the whole-trace guard): their instances are resolved
     # by the analysis that needs them.
-    return _Part(aligned=_resolved(aligned), raw=raw, measures=alignment.measures)
+    return _Part(aligned=_resolved(aligned), raw=raw, measures=alignment.measures, windows=(first, last))
 
 
 def _resolved(data: DetectionInput) -> DetectionInput:

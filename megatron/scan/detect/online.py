@@ -1,7 +1,7 @@
 """`--online-detect`: during a traced run, rank 0 re-runs the detectors after every traced window
-on everything traced so far (a recent onset is tested against each rank's earlier standing), in
-a process of its own at low priority (off the training critical path and off rank 0's
-interpreter lock), logs each suspect with its evidence as a warning and writes
+on the newest traced iterations (--online-detect-history; a recent onset is tested against each
+rank's earlier standing), in a process of its own at low priority (off the training critical path
+and off rank 0's interpreter lock), logs each suspect with its evidence as a warning and writes
 DIR/online_abnormal.json. A suspect only one analyzer names is reported once consecutive analyses
 agree on it (Confirmation)."""
 from __future__ import annotations
@@ -23,21 +23,12 @@ import numpy as np
 
 from megatron.app.config import ConfigError
 from megatron.app.plugins import Plugin, register_plugin
+from megatron.scan.detect.online_settings import (CONFIRM_ANALYSES, HISTORY, HISTORY_RANK_ITERATIONS,  # noqa: F401
+                                                  MIN_HISTORY, MIN_ITERATIONS, MIN_SLOWDOWN, RECENT_ITERATIONS,
+                                                  Confirmation, default_history)
 
 if TYPE_CHECKING:
     from megatron.scan.detect.incremental import WindowedInput
-
-
-# Traced iterations before the first online verdict: with fewer, one rank's persistent share of a
-# busy host in the first iterations was named (measured on 4 ranks over 2 cores).
-MIN_ITERATIONS = 6
-# Iterations at the end of the trace over which a rank starved of CPU must still be starved to be
-# reported online (host_starvation's `recent`): a burst of host load that is over is history.
-RECENT_ITERATIONS = 3
-# The compute analyzer's default factor over a rank's peers (peer_comparison's min_slowdown):
-# None follows the measured noise, as offline (multiplicity.compute_floor: 1.05 on quiet ranks,
-# 1.2 on a noisy host).
-MIN_SLOWDOWN = None
 
 
 @contextlib.contextmanager
@@ -59,7 +50,8 @@ def _without_cyclic_gc():
 def analyze(trace_dir: str | os.PathLike, first_iteration: int, last_iteration: int,
             fitted: dict[tuple[int, int], tuple[float, float]] | None = None, *,
             min_slowdown: float | None = MIN_SLOWDOWN, source: WindowedInput | None = None) -> dict | None:
-    """One online analysis of everything traced so far: the abnormal.json dict with `iterations`,
+    """One online analysis of what `source` holds (else of everything traced so far): the
+    abnormal.json dict with `iterations`,
     and `alerts` (each with its printable `label`); None before MIN_ITERATIONS. `source` (kept
     across analyses) reads, matches and aligns each window once; without it, or for a directory
     it does not cover (a torchrun restart's attempts), the directory is read whole. Then
@@ -88,6 +80,7 @@ def analyze(trace_dir: str | os.PathLike, first_iteration: int, last_iteration: 
     # name the newest iteration actually seen.
     newest = max(last_iteration, int(data.compute["iteration"].max()))
     result["iterations"] = [min(first_iteration, newest), newest]
+    result["history"] = [int(data.compute["iteration"].min()), newest]  # the traced iterations analysed
     result["alerts"] = [
         {"iteration": newest, "kind": suspect.kind, "ranks": suspect.ranks, "confidence": suspect.confidence,
          "evidence": suspect.evidence, "slowdown": suspect.slowdown, "named_by": suspect.named_by,
@@ -109,39 +102,6 @@ def _whole(trace_dir: str | os.PathLike, fitted: dict[tuple[int, int], tuple[flo
     return from_aggregation(aggregation)
 
 
-# Analyses in a row that must name a suspect only one analyzer found before it is reported. Each
-# analysis sees a few more iterations than the last, so a burst of host contention at the end of
-# the trace reads as an onset until the next windows show it over. Replayed over 84 kept runs of
-# 4-8 ranks on 2 cores (docs/megascan-detection.md), reporting at once gave a wrong alert in 4 runs,
-# two analyses in a row in 1, and the faulty ranks were named one window later.
-CONFIRM_ANALYSES = 2
-
-
-class Confirmation:
-    """Which of an analysis's suspects to report: those two analyzers name together (say a
-    rank whose compute is slower than its peers' and which also arrives last at collectives),
-    and those named by `analyses` consecutive analyses (kept across calls). Called once per
-    analysis with its alerts (each with `kind`, `ranks`, `named_by`); returns (reported, pending)."""
-
-    def __init__(self, analyses: int = CONFIRM_ANALYSES) -> None:
-        if analyses < 1:
-            raise ValueError(f"a suspect needs at least 1 analysis to be reported, not {analyses}")
-        self.analyses = analyses
-        self.streak: dict[tuple[str, tuple[int, ...]], int] = {}
-
-    def __call__(self, alerts: list[dict]) -> tuple[list[dict], list[dict]]:
-        def key(alert: dict) -> tuple[str, tuple[int, ...]]:
-            return alert["kind"], tuple(alert["ranks"])
-
-        self.streak = {key(a): self.streak.get(key(a), 0) + 1 for a in alerts}
-        reported, pending = [], []
-        for alert in alerts:
-            alert["analyses"] = self.streak[key(alert)]
-            ok = len(alert.get("named_by", ())) >= 2 or alert["analyses"] >= self.analyses
-            (reported if ok else pending).append(alert)
-        return reported, pending
-
-
 def serve() -> None:
     """The analysis process (`OnlineDetector` starts it): one JSON request per line on stdin
     (windows finished, first and last iteration), one JSON answer per line on the original
@@ -154,11 +114,12 @@ def serve() -> None:
 
     retain_freed_memory()  # this process only analyses: arrays reused, not faulted in again each time
     trace_dir, world_size, wait_s = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    history = int(sys.argv[4]) or None  # 0: every traced iteration
     confirm = Confirmation()
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     windows = DirectoryTail(trace_dir)  # parsed as it is polled: each window is read once
-    source = WindowedInput(trace_dir, tail=windows)
+    source = WindowedInput(trace_dir, tail=windows, history=history)
     fitted: dict[tuple[int, int], tuple[float, float]] = {}
     for line in sys.stdin:
         windows_done, first_iteration, last_iteration, settings = json.loads(line)
@@ -204,7 +165,7 @@ class OnlineDetector:
 
     def __init__(self, trace_dir: str | os.PathLike, world_size: int, *, windows_kept: int = 2,
                  wait_s: float = 30.0, confirm: int = CONFIRM_ANALYSES,
-                 min_slowdown: float | None = MIN_SLOWDOWN) -> None:
+                 min_slowdown: float | None = MIN_SLOWDOWN, history: int | None = None) -> None:
         self.trace_dir = Path(trace_dir)
         self.world_size = world_size
         self.windows_kept = windows_kept
@@ -217,7 +178,8 @@ class OnlineDetector:
         root = str(Path(__file__).resolve().parents[3])  # where this package is imported from
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         self.worker = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, os.fspath(self.trace_dir), str(world_size), str(wait_s)],
+            [sys.executable, "-c", _BOOT, os.fspath(self.trace_dir), str(world_size), str(wait_s),
+             str(default_history(world_size) if history is None else history)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
         self.thread = threading.Thread(target=self._loop, name="megascan-online-detect", daemon=True)
         self.thread.start()
@@ -337,6 +299,12 @@ class OnlineDetectPlugin(Plugin):
                             "changed on a "
                             "running job: python -m megatron.scan capture --job DIR --online-detect-confirm N "
                             "--online-detect-min-slowdown X")
+        g.add_argument("--online-detect-history", type=int, default=None, metavar="N",
+                       help="with --online-detect: each analysis covers the newest traced windows holding at least N "
+                            "traced iterations; older windows are let go, so that a long run's analyses keep to a "
+                            "bounded memory and time (a rank slow since before then is still compared with its "
+                            f"peers). 0 keeps every traced iteration. Default {HISTORY}, fewer where ranks x N would "
+                            f"pass {HISTORY_RANK_ITERATIONS} (20 at 4,096 ranks), never below {MIN_HISTORY}")
 
     def enabled(self, args: argparse.Namespace) -> bool:
         return bool(getattr(args, "online_detect", False))
@@ -349,7 +317,11 @@ class OnlineDetectPlugin(Plugin):
         if args.online_detect_min_slowdown is not None and not args.online_detect_min_slowdown >= 1.0:
             raise ConfigError(f"--online-detect-min-slowdown {args.online_detect_min_slowdown}: a factor over the "
                               f"rank's peers, >= 1.0")
+        if args.online_detect_history is not None and 0 != args.online_detect_history < MIN_ITERATIONS:
+            raise ConfigError(f"--online-detect-history {args.online_detect_history}: an analysis gives a verdict from "
+                              f"{MIN_ITERATIONS} traced iterations on; use at least {MIN_ITERATIONS} (0 keeps every one)")
         self.confirm = args.online_detect_confirm
+        self.history = args.online_detect_history  # None: default_history of the job's size
         self.min_slowdown = args.online_detect_min_slowdown
         trace = self.peers["scan"].config  # configured before this plugin (it is required)
         self.interval = trace.interval  # the windows it analyses, from the tracer's typed config
@@ -373,7 +345,8 @@ class OnlineDetectPlugin(Plugin):
                       "host noise also makes). --trace-granularity full lets the stages be compared layer by layer",
                       file=sys.stderr, flush=True)
             self.detector = OnlineDetector(self.trace_dir, ctx.cfg.parallel.world_size,
-                                           confirm=self.confirm, min_slowdown=self.min_slowdown)
+                                           confirm=self.confirm, min_slowdown=self.min_slowdown,
+                                           history=self.history)
             # Threshold changes asked of the running job arrive with capture requests.
             self.peers["scan"].control.listen_for_settings(self.detector.update)
 
