@@ -35,6 +35,7 @@ class RankTail:
     ended: bool = False
     error: str | None = None  # why the file cannot be read (the full loader then skips it, saying so)
     keep_events: bool = True  # False: windows are counted and described, their events not kept
+    forgotten: int = 0  # windows before this one are let go, their metadata too (`forget`)
 
     def poll(self) -> None:
         if self.error is not None or self.ended:
@@ -96,10 +97,10 @@ class RankTail:
     def forget(self, before: int) -> None:
         """Let go of windows 0 .. before-1 entirely: their events, and of their metadata all but
         the window and iteration numbers (the per-iteration metrics grow with a long run)."""
-        self.release(before)
-        for k in range(min(before, len(self.windows))):
-            if len(self.windows[k]) > 2:
-                self.windows[k] = {"window": self.windows[k].get("window"), "iterations": self.windows[k]["iterations"]}
+        for k in range(self.forgotten, min(before, len(self.windows))):
+            self.columns[k] = None
+            self.windows[k] = {"window": self.windows[k].get("window"), "iterations": self.windows[k]["iterations"]}
+        self.forgotten = max(self.forgotten, min(before, len(self.windows)))
 
 
 class DirectoryTail:

@@ -84,10 +84,12 @@ class WindowedInput:
 
     def _forget_before(self, window: int, tails: list[RankTail]) -> None:
         """Let go of the committed windows before `window`: their tables and their metadata."""
+        before = self.forgotten
         while self.committed and self.committed[0].windows[1] <= window:
             self.forgotten = self.committed.pop(0).windows[1]
-        for t in tails:
-            t.forget(self.forgotten)
+        if self.forgotten > before:
+            for t in tails:
+                t.forget(self.forgotten)
 
 
 def _history_start(windows: list[dict], history: int) -> int:
