@@ -293,13 +293,15 @@ def observer_costs_us(repeat: int = 50_000) -> dict[str, float]:
 
 def trace_costs(trace_dir: str) -> tuple[float, float]:
     """(most events per traced iteration on one rank, writer encode ms per window on that rank)."""
+    from megatron.scan.trace_format import decode_column
+
     worst = (0.0, 0.0)
     for path in Path(trace_dir).glob("benchmark-data-*.json"):
         lines = [json.loads(line) for line in path.read_text().splitlines()]
         windows = [line for line in lines if line["type"] == "window"]
         end = next((line for line in lines if line["type"] == "end"), {})
         iterations = sum(w["iterations"][1] - w["iterations"][0] + 1 for w in windows)
-        events = sum(len(w["events"]["name"]) for w in windows) / max(1, iterations)
+        events = sum(len(decode_column(w["events"]["name"])) for w in windows) / max(1, iterations)
         encode_ms = end.get("writer_encode_s", 0.0) * 1e3 / max(1, len(windows))
         worst = max(worst, (events, encode_ms))
     return worst
@@ -347,13 +349,15 @@ def ratio_interval(pairs: list[tuple[float, float]]) -> tuple[float, float, floa
 def events_per_iteration(trace_dir: str, iterations: int) -> float:
     """Events one rank records per iteration, averaged over every iteration of the run (traced or
     not) and over ranks: the work the tracer adds to each rank's iteration on average."""
+    from megatron.scan.trace_format import decode_column
+
     files = list(Path(trace_dir).glob("benchmark-data-*.json"))
     total = 0
     for path in files:
         for line in path.read_text().splitlines():
             record = json.loads(line)
             if record["type"] == "window":
-                total += len(record["events"]["name"])
+                total += len(decode_column(record["events"]["name"]))
     return total / max(1, len(files)) / max(1, iterations)
 
 

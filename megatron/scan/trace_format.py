@@ -5,6 +5,8 @@ lines because the writer, the reader and what names a file (a rank, a role, a to
 must agree on that format, so they stay together."""
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import os
 import queue
@@ -23,7 +25,8 @@ except ImportError:  # pragma: no cover - a dependency; the standard parser read
     _orjson = None
 
 FORMAT = "megascan-trace"
-VERSION = 1
+# 2: event columns stored as "<code>:<base64>" strings (encode_column); 1: JSON arrays, still read.
+VERSION = 2
 
 # Integer event columns, in the order an event tuple holds them after its name. -1 means "not set".
 # start_ns/end_ns are nanoseconds since the window's reference pair (clock.monotonic_ns).
@@ -137,6 +140,40 @@ class ClockSkew:
         return t + int(self.drift * (t - self.reference_ns))
 
 
+# How a version-2 file stores an integer event column: "<code>:<base64>", the values little-endian
+# in the narrowest of these types that holds them all. A JSON array makes the reader build a Python
+# integer per value (the largest cost of reading thousands of ranks' windows); a string is copied
+# once and decoded in C, and small columns (names, groups, flags) take a byte per value.
+COLUMN_CODES: dict[str, np.dtype] = {code: np.dtype(f"<{code}") for code in ("i1", "i2", "i4", "i8")}
+_CODE_RANGES = [(code, int(np.iinfo(dtype).min), int(np.iinfo(dtype).max)) for code, dtype in COLUMN_CODES.items()]
+
+
+def encode_column(values: Sequence[int] | np.ndarray) -> str:
+    """One integer event column as stored in a window line (COLUMN_CODES)."""
+    array = np.asarray(values, dtype=np.int64)
+    low, high = (int(array.min()), int(array.max())) if array.size else (0, 0)
+    code = next(code for code, smallest, largest in _CODE_RANGES if smallest <= low and high <= largest)
+    return f"{code}:{base64.b64encode(array.astype(COLUMN_CODES[code]).tobytes()).decode('ascii')}"
+
+
+def decode_column(stored: str | list) -> np.ndarray:
+    """A stored event column as int64: an encode_column string, or a version-1 JSON array. Raises
+    ValueError for anything else (an unknown code, base64 that is not, a length that is not whole
+    values), as a malformed record must."""
+    if isinstance(stored, list):
+        return np.fromiter(stored, dtype=np.int64, count=len(stored))  # half the time of np.asarray
+    if not isinstance(stored, str):
+        raise ValueError(f"an event column stored as {type(stored).__name__}")
+    code, _, text = stored.partition(":")
+    dtype = COLUMN_CODES.get(code)
+    if dtype is None:
+        raise ValueError(f"an event column encoded as {code!r}, not one of {', '.join(COLUMN_CODES)}")
+    raw = binascii.a2b_base64(text, strict_mode=True)
+    if len(raw) % dtype.itemsize:
+        raise ValueError(f"an event column of {len(raw)} bytes is not whole {code} values")
+    return np.frombuffer(raw, dtype=dtype).astype(np.int64)
+
+
 def encode_window(record: WindowRecord, skew: ClockSkew | None = None) -> bytes:
     """Turn a window into one JSON line: intern names, make times relative, store columns."""
     events = record.resolve(record.events) if record.resolve is not None else record.events
@@ -148,25 +185,29 @@ def encode_window(record: WindowRecord, skew: ClockSkew | None = None) -> bytes:
             pair["wall_ns"] = skew.wall(pair["wall_ns"])
             pair["monotonic_ns"] = skew.mono(pair["monotonic_ns"])
     names: dict[str, int] = {}
-    intern = names.setdefault
     base = record.clock_start["monotonic_ns"]
-    columns: dict[str, list] = {c: [] for c in COLUMNS}
+    columns: dict[str, Any] = {c: [] for c in COLUMNS}
     used_groups: set[int] = set()
     if events:
         rows = list(zip(*events))
-        columns["name"] = [intern(n, len(names)) for n in rows[0]]
+        # Interned in order of first use, event names before dtypes; a dict lookup per value.
+        first_use = dict.fromkeys(rows[0])
+        first_use.update(dict.fromkeys(rows[-1]))
+        first_use.pop(None, None)
+        names = {n: i for i, n in enumerate(first_use)}
+        index = {**names, None: -1}.__getitem__
+        columns["name"] = list(map(index, rows[0]))
         for i, column in enumerate(INT_COLUMNS, start=1):
-            columns[column] = list(rows[i])
-        columns["dtype"] = [-1 if d is None else intern(d, len(names)) for d in rows[-1]]
-        if skew is not None:
-            columns["start_ns"] = [skew.mono(t) for t in columns["start_ns"]]
-            columns["end_ns"] = [skew.mono(t) for t in columns["end_ns"]]
+            columns[column] = np.array(rows[i], dtype=np.int64)
+        columns["dtype"] = list(map(index, rows[-1]))
+        base_out = base
+        if skew is not None:  # the pretended clock error, as on the reference pairs above
+            columns["start_ns"] = np.array([skew.mono(int(t)) for t in columns["start_ns"]], dtype=np.int64)
+            columns["end_ns"] = np.array([skew.mono(int(t)) for t in columns["end_ns"]], dtype=np.int64)
             base_out = clock_start["monotonic_ns"]
-        else:
-            base_out = base
-        columns["start_ns"] = [t - base_out for t in columns["start_ns"]]
-        columns["end_ns"] = [t - base_out for t in columns["end_ns"]]
-        used_groups = {g for g in columns["group"] if g >= 0}
+        columns["start_ns"] = columns["start_ns"] - base_out
+        columns["end_ns"] = columns["end_ns"] - base_out
+        used_groups = set(np.unique(columns["group"][columns["group"] >= 0]).tolist())
     line = {
         "type": "window",
         "window": record.window,
@@ -177,7 +218,7 @@ def encode_window(record: WindowRecord, skew: ClockSkew | None = None) -> bytes:
                    for g in sorted(used_groups)},
         "metrics": record.metrics,
         "dropped": record.dropped,
-        "events": columns,
+        "events": {column: encode_column(values) for column, values in columns.items()},
     }
     return (json.dumps(line, separators=(",", ":")) + "\n").encode()
 
@@ -425,7 +466,8 @@ def _parse_line(raw: bytes) -> Any:
 def _append_window(record: dict, names: dict[str, int], groups: dict[tuple, int],
                    parts: dict[str, list[np.ndarray]]) -> None:
     events = record["events"]
-    count = len(events["name"])
+    name = decode_column(events["name"])
+    count = len(name)
     local_names = np.array([names.setdefault(n, len(names)) for n in record["names"]] + [-1], dtype=np.int32)
     group_map = np.full(1 + max([int(k) for k in record["groups"]] + [0]) + 1, -1, dtype=np.int32)
     for key, info in record["groups"].items():
@@ -434,7 +476,7 @@ def _append_window(record: dict, names: dict[str, int], groups: dict[tuple, int]
     for column in INT_COLUMNS:
         parts[column].append(_integers(events[column], count))
     # -1 indexes the sentinel appended above, so unset names and groups stay -1.
-    parts["name"].append(local_names[_integers(events["name"], count)])
+    parts["name"].append(local_names[name])
     parts["dtype"].append(local_names[_integers(events["dtype"], count)])
     parts["group"][-1] = group_map[parts["group"][-1]].astype(np.int64)
     parts["window"].append(np.zeros(count, dtype=np.int32))  # the reader numbers the windows
@@ -444,12 +486,13 @@ def _append_window(record: dict, names: dict[str, int], groups: dict[tuple, int]
     parts["end_wall_ns"].append(parts["end_ns"][-1] + wall_base)
 
 
-def _integers(values: list, count: int) -> np.ndarray:
-    """A column of `count` integers as int64 (np.fromiter: half the time of np.asarray on a list).
-    A column of another length raises ValueError, as a malformed record must."""
+def _integers(stored: str | list, count: int) -> np.ndarray:
+    """A stored column of `count` integers as int64; one of another length raises ValueError, as
+    a malformed record must."""
+    values = decode_column(stored)
     if len(values) != count:
         raise ValueError(f"a column of {len(values)} values in a window of {count} events")
-    return np.fromiter(values, dtype=np.int64, count=count)
+    return values
 
 
 def header_fields(*, rank: int, world_size: int, run_id: str, coordinates: dict[str, int],
@@ -500,7 +543,9 @@ def write_lines(path: str | os.PathLike, lines: Iterable[dict[str, Any]]) -> Non
 
 def window_line(*, window: int, iterations: Sequence[int], clock_start: dict, clock_end: dict, names: list[str],
                 groups: dict[str, dict], events: dict[str, list], metrics: list | None = None) -> dict[str, Any]:
-    """A window record as a dict with columns already relative and interned (for generators)."""
+    """A window record as a dict, from columns already relative and interned (for generators),
+    stored as the writer stores them."""
     return {"type": "window", "window": window, "iterations": list(iterations),
             "clock": {"start": clock_start, "end": clock_end}, "names": names, "groups": groups,
-            "metrics": metrics or [], "dropped": 0, "events": events}
+            "metrics": metrics or [], "dropped": 0,
+            "events": {column: encode_column(values) for column, values in events.items()}}

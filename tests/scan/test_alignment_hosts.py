@@ -14,8 +14,8 @@ import pytest
 
 from megatron.scan.aggregate import aggregate, collective_end_spread_us
 from megatron.scan.synthetic import SyntheticRun, generate
-from megatron.scan.trace_format import (ClockSkew, TraceWriter, header_fields, iter_trace_files, read_rank_file,
-                                        write_lines)
+from megatron.scan.trace_format import (ClockSkew, TraceWriter, decode_column, encode_column, header_fields,
+                                        iter_trace_files, read_rank_file, write_lines)
 
 HOST_A, HOST_B = "node-a/11111111-aaaa", "node-b/22222222-bbbb"
 
@@ -40,12 +40,12 @@ def rewrite(directory: Path, host_of: dict[int, str] | None = None, skew_ns: dic
                 pair["wall_ns"] += shift
             if late_ns is not None:
                 events = record["events"]
-                collective = np.array(events["group"]) >= 0
+                collective = decode_column(events["group"]) >= 0
                 late = late_ns(rank, int(collective.sum()))
                 if late is not None:
-                    end = np.array(events["end_ns"], dtype=np.int64)
+                    end = decode_column(events["end_ns"])
                     end[collective] += np.asarray(late, dtype=np.int64)
-                    events["end_ns"] = end.tolist()
+                    events["end_ns"] = encode_column(end)
         write_lines(path, lines)
 
 

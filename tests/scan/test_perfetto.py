@@ -21,7 +21,7 @@ from megatron.scan.aggregate import aggregate, write_trace
 from megatron.scan.load import AggregateError
 from megatron.scan.perfetto import focus_ranks, subset, write_perfetto_trace
 from megatron.scan.synthetic import SyntheticRun, generate
-from megatron.scan.trace_format import trace_file_name
+from megatron.scan.trace_format import decode_column, encode_column, trace_file_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -264,10 +264,11 @@ def slow_down(directory: Path, spec: SyntheticRun, dp: int, pp: int, tp: int, fa
     path = directory / trace_file_name(dp, pp, tp)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     window = lines[1]
-    events, compute = window["events"], {window["names"].index("forward"), window["names"].index("backward")}
-    for i, name in enumerate(events["name"]):
-        if name in compute:
-            events["end_ns"][i] = events["start_ns"][i] + int(factor * (events["end_ns"][i] - events["start_ns"][i]))
+    events, compute = window["events"], [window["names"].index("forward"), window["names"].index("backward")]
+    start, end = decode_column(events["start_ns"]), decode_column(events["end_ns"])
+    mine = np.isin(decode_column(events["name"]), compute)
+    end[mine] = start[mine] + (factor * (end[mine] - start[mine])).astype(np.int64)
+    events["end_ns"] = encode_column(end)
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return spec.rank(dp, pp, tp)
 

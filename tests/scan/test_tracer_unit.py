@@ -2,9 +2,11 @@
 counted outside windows, megatron-core's bound aliases of collectives wrapped, and the writer."""
 from __future__ import annotations
 
+import base64
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +14,8 @@ import torch.distributed as dist
 from launch import free_port
 from megatron.scan.collectives import is_wrapper
 from megatron.scan.timers import HostTimer
-from megatron.scan.trace_format import ClockSkew, TraceWriter, header_fields, read_rank_file
+from megatron.scan.trace_format import (ClockSkew, TraceFormatError, TraceWriter, decode_column, encode_column,
+                                        header_fields, read_rank_file)
 from megatron.scan.tracer import Tracer, WindowSchedule
 
 
@@ -111,6 +114,63 @@ def test_a_diverged_loss_written_as_nan_reads_back(tmp_path):
     first, second, third = (w["metrics"][0]["loss"] for w in f.windows)
     assert first == 2.5 and math.isnan(second) and third == math.inf
     assert [f.names[i] for i in f.columns["name"]] == ["iteration"] * 3
+
+
+@pytest.mark.parametrize("values, code", [
+    ([], "i1"), ([-128, 0, 127], "i1"), ([128], "i2"), ([-32768, 32767], "i2"), ([-32769], "i4"),
+    ([2**31 - 1, -(2**31)], "i4"), ([2**31], "i8"), ([-(2**63), 2**63 - 1], "i8"),
+])
+def test_an_event_column_is_stored_in_the_narrowest_type_that_holds_it(values, code):
+    stored = encode_column(values)
+    assert stored.startswith(code + ":")
+    back = decode_column(stored)
+    assert back.dtype == np.int64 and back.tolist() == values
+    assert decode_column(values).tolist() == values  # a version-1 JSON array reads the same
+
+
+def traced_file(path, iterations=3):
+    tracer = make_tracer(path, WindowSchedule(1, 1))
+    for iteration in range(iterations):
+        tracer.begin_iteration(iteration)
+        with tracer.span("iteration", iteration=iteration):
+            with tracer.span("forward", chunk=0, microbatch=0):
+                pass
+        tracer.end_iteration(iteration, {"iteration_time": 0.1, "lm loss": 2.0})
+    tracer.close({})
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_version_1_file_with_json_array_columns_reads_as_the_same_events(tmp_path):
+    """Files written before the columns were encoded (version 1: JSON arrays) read as they did."""
+    lines = traced_file(tmp_path / "new.json")
+    assert lines[0]["version"] == 2 and all(isinstance(v, str) for v in lines[1]["events"].values())
+    lines[0]["version"] = 1
+    for line in lines[1:-1]:
+        line["events"] = {column: decode_column(stored).tolist() for column, stored in line["events"].items()}
+    (tmp_path / "old.json").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    new, old = read_rank_file(tmp_path / "new.json"), read_rank_file(tmp_path / "old.json")
+    assert not old.warnings and len(old.windows) == len(new.windows) == 3
+    assert old.columns.keys() == new.columns.keys()
+    for column, values in new.columns.items():
+        assert np.array_equal(old.columns[column], values), column
+    assert [new.names[i] for i in new.columns["name"]] == ["forward", "iteration"] * 3
+
+
+@pytest.mark.parametrize("column, stored, why", [
+    ("flags", "u4:AAAAAA==", "encoded as 'u4'"),
+    ("flags", "i4:not base64!", "Error"),
+    ("flags", "i4:" + base64.b64encode(b"abc").decode(), "not whole i4 values"),
+    ("flags", "i1:" + base64.b64encode(b"\0").decode(), "a column of 1 values in a window of 2 events"),
+    ("flags", 7, "stored as int"),
+])
+def test_a_malformed_event_column_names_the_file_and_line(tmp_path, column, stored, why):
+    path = tmp_path / "r.json"
+    lines = traced_file(path)
+    lines[1]["events"][column] = stored  # the first window, with later ones after it: not a torn last line
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(TraceFormatError) as error:
+        read_rank_file(path)
+    assert f"{path}: line 2 is not a valid window record" in str(error.value) and why in str(error.value)
 
 
 def test_untraced_iterations_record_nothing(tmp_path):
