@@ -187,7 +187,7 @@ def encode_window(record: WindowRecord, skew: ClockSkew | None = None) -> bytes:
     names: dict[str, int] = {}
     base = record.clock_start["monotonic_ns"]
     columns: dict[str, Any] = {c: [] for c in COLUMNS}
-    used_groups: set[int] = set()
+    used_groups: list[int] = []
     if events:
         rows = list(zip(*events))
         # Interned in order of first use, event names before dtypes; a dict lookup per value.
@@ -207,7 +207,7 @@ def encode_window(record: WindowRecord, skew: ClockSkew | None = None) -> bytes:
             base_out = clock_start["monotonic_ns"]
         columns["start_ns"] = columns["start_ns"] - base_out
         columns["end_ns"] = columns["end_ns"] - base_out
-        used_groups = set(np.unique(columns["group"][columns["group"] >= 0]).tolist())
+        used_groups = np.unique(columns["group"][columns["group"] >= 0]).tolist()  # sorted
     line = {
         "type": "window",
         "window": record.window,
@@ -215,7 +215,7 @@ def encode_window(record: WindowRecord, skew: ClockSkew | None = None) -> bytes:
         "clock": {"start": clock_start, "end": clock_end},
         "names": list(names),
         "groups": {str(g): record.groups.get(g, {"name": f"unknown-{g}", "ranks": [], "desc": ""})
-                   for g in sorted(used_groups)},
+                   for g in used_groups},
         "metrics": record.metrics,
         "dropped": record.dropped,
         "events": {column: encode_column(values) for column, values in columns.items()},

@@ -158,7 +158,7 @@ def test_a_version_1_file_with_json_array_columns_reads_as_the_same_events(tmp_p
 
 @pytest.mark.parametrize("column, stored, why", [
     ("flags", "u4:AAAAAA==", "encoded as 'u4'"),
-    ("flags", "i4:not base64!", "Error"),
+    ("flags", "i4:not base64!", "Only base64 data is allowed"),
     ("flags", "i4:" + base64.b64encode(b"abc").decode(), "not whole i4 values"),
     ("flags", "i1:" + base64.b64encode(b"\0").decode(), "a column of 1 values in a window of 2 events"),
     ("flags", 7, "stored as int"),
