@@ -102,6 +102,11 @@ class _Unread:
         return self.namespace.get(name) or _source_module(f"{self.dotted}.{name}")
 
 
+class _Import(tuple):
+    """An import not resolved yet: ("module", name) or ("from", module, name). Its own type, so
+    that a resolved value which is itself a tuple (`from m import SOME_TUPLE`) is not taken for one."""
+
+
 class _SourceNamespace(dict):
     """A module's names from its source, each resolved when first read: imports to modules or
     their attributes, functions to their compiled code, classes to their methods."""
@@ -119,14 +124,14 @@ class _SourceNamespace(dict):
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     bound = alias.asname or alias.name.split(".")[0]
-                    dict.__setitem__(self, bound, ("module", alias.name if alias.asname else bound))
+                    dict.__setitem__(self, bound, _Import(("module", alias.name if alias.asname else bound)))
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:  # from . import x, from ..y import z
                     parts = package.split(".")
                     base = ".".join([*parts[:len(parts) - node.level + 1], *([node.module] if node.module else [])])
                 for alias in node.names:
-                    dict.__setitem__(self, alias.asname or alias.name, ("from", base, alias.name))
+                    dict.__setitem__(self, alias.asname or alias.name, _Import(("from", base, alias.name)))
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name in nested:
                 dotted, code = f"{module.dotted}.{node.name}", nested[node.name]
                 members = None if not isinstance(node, ast.ClassDef) else {  # a class: its methods
@@ -137,7 +142,7 @@ class _SourceNamespace(dict):
 
     def __getitem__(self, name: str) -> object:
         value = dict.__getitem__(self, name)
-        if isinstance(value, tuple):  # ("module", name) or ("from", module, name)
+        if isinstance(value, _Import):
             owner = _module(value[1])
             value = owner if value[0] == "module" else _attribute(owner, value[2]) or _Unread(".".join(value[1:]))
             dict.__setitem__(self, name, value)

@@ -1,7 +1,7 @@
 """The pipeline IR: one rank's iteration as a list of actions with explicit communication.
 
 A static order (a list of Tasks from megatron.app.schedule) is lowered into actions by one pass,
-`lower`: each compute action (F or B of a chunk on a microbatch) is preceded by the RECV of its
+`lower`: each compute action (F, B, or a split backward's I and W, of a chunk on a microbatch) is preceded by the RECV of its
 input when that input comes from another pipeline rank and followed by the SEND of its output
 when another rank consumes it; the iteration may end with the gradient reduction and the optimizer
 step. A dynamic order (MegaDPP's, the simulator's policies) derives its communication from the
@@ -32,6 +32,8 @@ __all__ = ["Op", "Action", "PAYLOADS", "message_tag", "control_tag", "compute", 
 class Op(str, enum.Enum):
     FORWARD = "F"
     BACKWARD = "B"
+    INPUT_GRAD = "I"  # a split backward's stage-input gradient (sent upstream as B's is)
+    WEIGHT_GRAD = "W"  # a split backward's weight gradients (no message)
     SEND = "SEND"
     RECV = "RECV"
     REDUCE_GRADS = "REDUCE_GRADS"  # data-parallel gradient reduction (and its finalisation)
@@ -43,19 +45,20 @@ class Op(str, enum.Enum):
         return self.value
 
 
-_COMPUTE = {TaskKind.FORWARD: Op.FORWARD, TaskKind.BACKWARD: Op.BACKWARD}
+_COMPUTE = {TaskKind.FORWARD: Op.FORWARD, TaskKind.BACKWARD: Op.BACKWARD, TaskKind.INPUT_GRAD: Op.INPUT_GRAD,
+            TaskKind.WEIGHT_GRAD: Op.WEIGHT_GRAD}
 
 
 @dataclass(frozen=True, slots=True)
 class Action:
     """One step of a rank's iteration.
 
-    Compute (F/B, RECOMPUTE): `task` is what runs. SEND: `task` produced the tensor, `peer` is the
+    Compute (F/B/I/W, RECOMPUTE): `task` is what runs. SEND: `task` produced the tensor, `peer` is the
     rank that consumes it. RECV: `task` consumes the tensor, `peer` is the rank that produced it.
     `peer` is always the GLOBAL rank (torch.distributed's) of that process, in every list: the
     trainer's pipelines, MegaDPP's and MegaFBD's; the executor posts to it as it is, and the
     simulators map it back to their programs. `tag` matches a SEND with its RECV; `payload` says
-    what the message carries when it is not the task's activation (F) or gradient (B): "S" a stage
+    what the message carries when it is not the task's activation (F) or gradient (B, I's too): "S" a stage
     input, "R" an RNG state (see PAYLOADS). Step actions carry nothing."""
 
     op: Op
@@ -67,11 +70,11 @@ class Action:
     @property
     def carries(self) -> str:
         """What a SEND/RECV moves: its payload, else the task's own activation or gradient."""
-        return self.payload or self.task.kind.value
+        return self.payload or self.task.message
 
     @property
     def is_compute(self) -> bool:
-        return self.op in (Op.FORWARD, Op.BACKWARD, Op.RECOMPUTE)
+        return self.op in (Op.FORWARD, Op.BACKWARD, Op.INPUT_GRAD, Op.WEIGHT_GRAD, Op.RECOMPUTE)
 
     @property
     def is_communication(self) -> bool:
@@ -138,7 +141,7 @@ def receive_of(layout: PipelineLayout, pp_rank: int, task: Task, *,
     source = layout.input_source(pp_rank, task)
     if source is None:
         return None
-    tag = message_tag(task.kind.value, layout.virtual_stage(pp_rank, task.chunk), task.microbatch,
+    tag = message_tag(task.message, layout.virtual_stage(pp_rank, task.chunk), task.microbatch,
                       layout.num_microbatches)
     return Action(Op.RECV, task, pipeline_ranks(layout, ranks)[source[0]], tag)
 
@@ -150,7 +153,7 @@ def send_of(layout: PipelineLayout, pp_rank: int, task: Task, *,
     if destination is None:
         return None
     peer_rank, peer_chunk = destination
-    tag = message_tag(task.kind.value, layout.virtual_stage(peer_rank, peer_chunk), task.microbatch,
+    tag = message_tag(task.message, layout.virtual_stage(peer_rank, peer_chunk), task.microbatch,
                       layout.num_microbatches)
     return Action(Op.SEND, task, pipeline_ranks(layout, ranks)[peer_rank], tag)
 
@@ -158,14 +161,14 @@ def send_of(layout: PipelineLayout, pp_rank: int, task: Task, *,
 def sends_after(layout: PipelineLayout, pp_rank: int, task: Task, *, eager: bool = False,
                 forward_only: bool = False, ranks: Sequence[int] | None = None) -> list[Action]:
     """Communication that follows `task`: the SEND of its output; with eager receives (a dynamic
-    order, which posts every receive as soon as it is legal) also the RECV of its backward's
-    gradient, which can only come after this forward's output went downstream."""
+    order, which posts every receive as soon as it is legal) also the RECV of its backward's (B's or
+    I's) gradient, which can only come after this forward's output went downstream."""
     actions = []
     send = send_of(layout, pp_rank, task, ranks=ranks)
     if send is not None and not (forward_only and not task.is_forward):
         actions.append(send)
     if eager and task.is_forward and not forward_only:
-        receive = receive_of(layout, pp_rank, Task(TaskKind.BACKWARD, task.chunk, task.microbatch), ranks=ranks)
+        receive = receive_of(layout, pp_rank, layout.gradient_task(task.chunk, task.microbatch), ranks=ranks)
         if receive is not None:
             actions.append(receive)
     return actions

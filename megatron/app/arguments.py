@@ -191,11 +191,18 @@ def build_parser(plugins: Sequence = ()) -> argparse.ArgumentParser:
     g.add_argument("--decoder-last-pipeline-num-layers", type=int,
                    help="Megatron-LM's uneven split: layers on the last pipeline stage, the rest spread evenly "
                         "over the other stages (same as the matching --pipeline-layer-split)")
-    g.add_argument("--pipeline-schedule", choices=["auto", "1f1b", "interleaved", "gpipe", "megatron-core"],
+    g.add_argument("--pipeline-schedule",
+                   choices=["auto", "1f1b", "interleaved", "gpipe", "zb-h1", "zb-h2", "megatron-core"],
                    help="pipeline order run by this trainer's executor; auto = interleaved with virtual stages, "
-                        "else 1f1b. megatron-core: megatron-core's own get_forward_backward_func() (no "
-                        "pipelining, 1F1B or interleaved, by the parallel sizes) drives each iteration, "
-                        "on CPU and CUDA alike")
+                        "else 1f1b. zb-h1 / zb-h2: zero-bubble orders, each backward split into the input "
+                        "gradient (sent upstream at once) and the weight gradients (run later to fill the "
+                        "pipeline's idle time); zb-h1 stores no more activations than 1f1b, zb-h2 stores more "
+                        "for a smaller bubble; with virtual stages both interleave. megatron-core: "
+                        "megatron-core's own get_forward_backward_func() (no pipelining, 1F1B or interleaved, by "
+                        "the parallel sizes) drives each iteration, on CPU and CUDA alike")
+    g.add_argument("--report-activation-memory", action="store_true",
+                   help="measure what each rank keeps for backward (bytes of the tensors autograd saves, and of "
+                        "pending weight-gradient work) and print its peak at the end of training")
     g.add_argument("--distributed-timeout-minutes", type=float,
                    help="timeout of the process group's collectives, in minutes (default %(default)s)")
     g.add_argument("--use-distributed-optimizer", action="store_true",

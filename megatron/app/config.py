@@ -236,6 +236,7 @@ class TrainingConfig:
     eval_interval: int = 0
     eval_iters: int = 0
     pipeline_schedule: str = "auto"
+    report_activation_memory: bool = False
     device: str = "auto"
     distributed_timeout_minutes: float = 10.0
     exit_interval: int | None = None

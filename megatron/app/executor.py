@@ -7,23 +7,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron.app import weight_grad
+from megatron.app.activation_memory import ActivationMeter
 from megatron.app.model import unwrap_model
 from megatron.app.rng import rng_restore, rng_snapshot
 from megatron.app.observer import get_observer
 from megatron.app.actions import Action, Op, lower
+from megatron.app.iteration import (IterationPlan, IterationResult, IterationSteps, LossOptions,  # noqa: F401
+                                    Microbatch, microbatch_loss)
 from megatron.app.schedule import PipelineLayout, Task, format_schedule
 from megatron.app.transport import Message, TorchDistributedTransport, Transport
 
 logger = logging.getLogger(__name__)
-
-Microbatch = dict[str, torch.Tensor]
-
 
 @dataclass(kw_only=True, slots=True)
 class StageContext:
@@ -46,64 +47,7 @@ def activation_shape(cfg) -> tuple[int, int, int]:
     return (cfg.model.seq_length, cfg.training.micro_batch_size, cfg.model.hidden_size)
 
 
-@dataclass(frozen=True, slots=True)
-class IterationPlan:
-    """What one iteration runs on this rank, handed to `run()`: the pipeline layout (whose
-    microbatch count is this replica's share), the global index of its first microbatch (what
-    `get_microbatch` is asked for is that plus the local index), and the count each microbatch's
-    loss is divided by (None: the layout's count; a microbatch plan passes the even split's, so
-    the step is the even split's whatever this replica's share)."""
-
-    layout: PipelineLayout
-    first_microbatch: int = 0
-    loss_divisor: int | None = None
-
-    @property
-    def divisor(self) -> int:
-        return self.loss_divisor or self.layout.num_microbatches
-
-
-@dataclass(frozen=True, slots=True)
-class LossOptions:
-    """How the last stage turns a microbatch's loss into what backward starts from: `scale` (with
-    --fp16, the optimizer's loss scale) multiplies it; `per_token` (--calculate-per-token-loss)
-    sums token losses, which the trainer later divides by the global batch's token count."""
-
-    scale: Callable[[torch.Tensor], torch.Tensor] | None = None
-    per_token: bool = False
-
-
 Handler = Callable[["Action", Callable[[int], "Microbatch"]], None]
-
-
-@dataclass(slots=True)
-class IterationResult:
-    losses: list[float] = field(default_factory=list)  # one per microbatch, last stage only
-    num_tokens: int = 0
-    updated: bool = False  # set by the optimizer step action, when the iteration has one
-    grad_norm: float = 0.0
-
-    @property
-    def mean_loss(self) -> float | None:
-        return sum(self.losses) / len(self.losses) if self.losses else None
-
-
-def microbatch_loss(output: torch.Tensor, batch: Microbatch) -> tuple[torch.Tensor, int]:
-    """The last stage's per-token losses [micro batch, seq] -> their mean over the microbatch's
-    real tokens (loss_mask), and that token count."""
-    mask = batch["loss_mask"]
-    tokens = mask.sum()
-    return (output.float() * mask).sum() / tokens.clamp(min=1), int(tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class IterationSteps:
-    """What the step actions of an iteration do (the trainer supplies them): the data-parallel
-    gradient reduction, and the optimizer step returning (updated, grad norm). Both see the
-    iteration's result so far (losses, token count)."""
-
-    reduce_grads: Callable[[IterationResult], None]
-    optimizer_step: Callable[[IterationResult], tuple[bool, float]]
 
 
 class StaticOrder:
@@ -141,7 +85,11 @@ class PipelineExecutor:
     (the running iteration's), `transport`, `forward_only`, `input_arrived(task)` and call
     `flush()`, `idle(timeout)` and `defer(handles)`.
 
-    Messages are keyed by (task, payload): an activation (F) or gradient (B) by default; a stage
+    A split backward (a layout with split_backward) runs as I, the stage input's gradient, sent
+    upstream at once, and W, the weight gradients I left (megatron.app.weight_grad): no part of the
+    backward runs twice, and W may run whenever the order places it.
+
+    Messages are keyed by (task, payload): an activation (F) or gradient (B, I) by default; a stage
     input (S) or RNG state (R) where a forward hands them to a recomputation on another rank
     (`hand_off`; RECOMPUTE consumes them). `buffers` adds a receive buffer maker per payload. A
     WEIGHTS action has no handler here: the action list that holds one passes it in `handlers`.
@@ -152,7 +100,8 @@ class PipelineExecutor:
                  transport: Transport | None = None, order=None, *, loss: LossOptions = LossOptions(),
                  handlers: Mapping[Op, Handler] | None = None,
                  buffers: Mapping[str, Callable[[], torch.Tensor]] | None = None, hand_off: bool = False,
-                 compute_guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+                 compute_guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 measure_memory: bool = False) -> None:
         self.chunks = list(chunks)
         self.stage = stage
         self.transport = transport or TorchDistributedTransport()
@@ -161,6 +110,8 @@ class PipelineExecutor:
         self.handlers: dict[Op, Handler] = {
             Op.FORWARD: self._forward,
             Op.BACKWARD: self._backward,
+            Op.INPUT_GRAD: self._input_grad,
+            Op.WEIGHT_GRAD: self._weight_grad,
             Op.SEND: self._queue_send,
             Op.RECV: self._queue_receive,
             Op.REDUCE_GRADS: self._reduce_grads,
@@ -176,6 +127,8 @@ class PipelineExecutor:
         self.last_order: list[Task] = []  # compute tasks of the last iteration, in run order
         self.last_actions: list[Action] = []  # every action of the last iteration, in run order
         self.peak_stored_activations = 0  # over every iteration run so far
+        # bytes kept for backward (stored forwards, pending W), when measured: peak over every iteration
+        self.memory = ActivationMeter(p for c in self.chunks for p in c.parameters()) if measure_memory else None
         self.forward_only = False
 
     @property
@@ -204,6 +157,9 @@ class PipelineExecutor:
         self._steps = steps
         self._result = IterationResult()
         self._stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._weight_work: dict[tuple[int, int], weight_grad.WeightGradWork] = {}  # forwards' and I's, until W
+        if self.layout.split_backward and not forward_only:
+            weight_grad.install(self.chunks)
         self._inbox: dict[tuple[Task, str], tuple[torch.Tensor, object, dict]] = {}
         self._outbox: dict[tuple[Task, str], torch.Tensor] = {}
         self._sends: list[tuple[Message, dict, tuple[Task, str]]] = []  # queued, posted with the next batch
@@ -219,7 +175,8 @@ class PipelineExecutor:
                 self.last_actions.append(action)
                 if action.is_compute:
                     self.last_order.append(action.task)
-                    self.peak_stored_activations = max(self.peak_stored_activations, len(self._stored))
+                    stored = len(self._stored.keys() | self._weight_work.keys())  # until B, or until W
+                    self.peak_stored_activations = max(self.peak_stored_activations, stored)
             self.flush()
             for handle in self._pending_sends:
                 handle.wait()
@@ -232,6 +189,9 @@ class PipelineExecutor:
             raise
         finally:
             self._stored.clear()
+            self._weight_work.clear()
+            if self.memory is not None:
+                self.memory.clear()
             self._inbox.clear()
             self._outbox.clear()
         return self._result
@@ -240,7 +200,7 @@ class PipelineExecutor:
     def input_arrived(self, task: Task) -> bool:
         """Whether `task`'s input is here: local, or its posted receive has completed."""
         self.flush()
-        key = (task, task.kind.value)
+        key = (task, task.message)
         if key in self._inbox:
             return self._inbox[key][1].is_completed()
         return self.layout.input_source(self.stage.pp_rank, task) is None
@@ -265,7 +225,7 @@ class PipelineExecutor:
         peer = action.peer
         self._sends.append((Message(peer, action.tag, tensor),
                             dict(peer=peer, bytes=tensor.numel() * tensor.element_size(), chunk=action.task.chunk,
-                                 microbatch=action.task.microbatch, direction=action.task.kind.value,
+                                 microbatch=action.task.microbatch, direction=action.task.message,
                                  **_payload_attr(action)), key))
 
     def _queue_receive(self, action: Action, get_microbatch) -> None:
@@ -273,7 +233,7 @@ class PipelineExecutor:
         peer = action.peer
         self._receives.append(((action.task, action.carries), Message(peer, action.tag, buffer),
                                dict(peer=peer, bytes=buffer.numel() * buffer.element_size(), chunk=action.task.chunk,
-                                    microbatch=action.task.microbatch, direction=action.task.kind.value,
+                                    microbatch=action.task.microbatch, direction=action.task.message,
                                     **_payload_attr(action))))
 
     def flush(self) -> None:
@@ -296,7 +256,7 @@ class PipelineExecutor:
             self._inbox[key] = (message.tensor, handle, recv_attrs)
 
     def _receive(self, task: Task, payload: str | None = None) -> torch.Tensor | None:
-        key = (task, payload or task.kind.value)
+        key = (task, payload or task.message)
         if key not in self._inbox:
             return None
         tensor, handle, attrs = self._inbox.pop(key)
@@ -328,6 +288,17 @@ class PipelineExecutor:
         chunk = self.chunks[task.chunk]
         if received is not None:
             received.requires_grad_(train)
+        key = (task.chunk, task.microbatch)
+        with contextlib.ExitStack() as scope:
+            if train and self.layout.split_backward:  # the linear layers leave their weight gradients to W
+                self._weight_work[key] = weight_grad.WeightGradWork()
+                scope.enter_context(weight_grad.deferring(self._weight_work[key]))
+            if train and self.memory is not None:
+                scope.enter_context(self.memory.forward(key))
+            self._compute_forward(task, chunk, batch, received, train=train, keep_output=keep_output)
+
+    def _compute_forward(self, task: Task, chunk, batch: Microbatch, received: torch.Tensor | None, *, train: bool,
+                         keep_output: bool) -> None:
         with self.compute_guard():
             if self.hand_off:
                 self._outbox[(task, "R")] = rng_snapshot()
@@ -350,20 +321,42 @@ class PipelineExecutor:
                     else:
                         output = loss / self._plan.divisor
                 elif keep_output:
-                    self._outbox[(task, task.kind.value)] = output.detach()
+                    self._outbox[(task, task.message)] = output.detach()
         if train:
             self._stored[(task.chunk, task.microbatch)] = (received, output)
 
     def _backward(self, action: Action, get_microbatch: Callable[[int], Microbatch]) -> None:
+        """B, or a split backward's I: everything but the deferred weight gradients, which the
+        forward's work (still open here, for recomputation) collects for W."""
         task = action.task
-        stage_input, output = self._stored.pop((task.chunk, task.microbatch))
+        key = (task.chunk, task.microbatch)
+        stage_input, output = self._stored.pop(key)
         grad_output = self._receive(task)
         if grad_output is None and self.loss.scale is not None:
             output = self.loss.scale(output)
-        with get_observer().span("backward", chunk=task.chunk, microbatch=task.microbatch):
-            torch.autograd.backward(output, grad_tensors=grad_output)
+        work = self._weight_work.get(key)
+        with get_observer().span("backward", chunk=task.chunk, microbatch=task.microbatch,
+                                 **({"part": "input"} if work is not None else {})):
+            with weight_grad.deferring(work) if work is not None else contextlib.nullcontext():
+                torch.autograd.backward(output, grad_tensors=grad_output)
         if stage_input is not None:
-            self._outbox[(task, task.kind.value)] = stage_input.grad
+            self._outbox[(task, task.message)] = stage_input.grad
+        if self.memory is not None:
+            self.memory.release(key)
+            if work is not None:
+                self.memory.hold(("W", key), work.nbytes)
+
+    _input_grad = _backward
+
+    def _weight_grad(self, action: Action, get_microbatch: Callable[[int], Microbatch]) -> None:
+        """W: the weight gradients its I left, delivered to the parameters (their hooks run now)."""
+        task = action.task
+        key = (task.chunk, task.microbatch)
+        work = self._weight_work.pop(key)
+        with get_observer().span("backward_weight", chunk=task.chunk, microbatch=task.microbatch):
+            work.run()
+        if self.memory is not None:
+            self.memory.release(("W", key))
 
     # --- the iteration's end --------------------------------------------------------------
     def _reduce_grads(self, action: Action, get_microbatch) -> None:

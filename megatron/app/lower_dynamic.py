@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from megatron.app.actions import Action, compute, pipeline_ranks, receive_of, sends_after
-from megatron.app.schedule import PipelineLayout, Task, TaskKind
+from megatron.app.schedule import PipelineLayout, Task
 
 __all__ = ["RankState", "DynamicLowering"]
 
@@ -25,15 +25,14 @@ class RankState:
     executed: list[Task] = field(default_factory=list)  # in run order, including the running task
     completed: set[Task] = field(default_factory=set)
     remaining: set[Task] = field(default_factory=set)  # not started yet
-    stored_activations: int = 0  # forwards started whose backward has not finished
+    stored_activations: int = 0  # forwards started whose backward (B, or W when split) has not finished
     peak_stored_activations: int = 0
 
     def ready(self, input_here: Callable[[Task], bool]) -> list[Task]:
-        """Sorted: the tasks not started whose input is here and, for a backward, whose own forward
-        has completed."""
+        """Sorted: the tasks not started whose input is here and whose prerequisite (a backward's own
+        forward, W's own I) has completed."""
         return sorted(task for task in self.remaining
-                      if (task.is_forward or Task(TaskKind.FORWARD, task.chunk, task.microbatch) in self.completed)
-                      and input_here(task))
+                      if (task.prerequisite is None or task.prerequisite in self.completed) and input_here(task))
 
     def start(self, task: Task, *, stores: bool = True) -> None:
         """`task` begins; a forward stores its activation unless `stores` is False (forward-only)."""
@@ -44,9 +43,9 @@ class RankState:
             self.peak_stored_activations = max(self.peak_stored_activations, self.stored_activations)
 
     def finish(self, task: Task) -> None:
-        """`task` has completed; a backward frees its activation."""
+        """`task` has completed; a backward (B, or a split one's W) frees its activation."""
         self.completed.add(task)
-        if not task.is_forward:
+        if task.frees_activation:
             self.stored_activations -= 1
 
 

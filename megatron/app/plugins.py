@@ -84,6 +84,10 @@ class Plugin:
     def setup(self, ctx) -> None:
         """Called once the process groups, model, optimizer and data exist."""
 
+    def split_backward(self, cfg) -> bool | None:
+        """Whether this plugin's executor runs each backward as I and W (the layout then lists
+        them), or None."""
+
     def make_executor(self, ctx):
         """Return a pipeline executor to use instead of the static one, or None."""
         return None

@@ -16,6 +16,7 @@ from megatron.app.actions import Action
 from megatron.app.lower_dynamic import DynamicLowering, RankState
 from megatron.app.schedule import (
     SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
     PipelineLayout,
     ScheduleError,
     Task,
@@ -145,13 +146,17 @@ class PolicyProgram:
     def completed(self, action: Action) -> None:
         task = action.task
         self.lowering.finish(task)
-        own_backward = Task(TaskKind.BACKWARD, task.chunk, task.microbatch)
-        if task.is_forward and (own_backward in self.local or own_backward in self.arrived_for):
-            self.ready.add(own_backward)
+        layout = self.state.layout
+        if task.is_forward:
+            follower = layout.gradient_task(task.chunk, task.microbatch)  # its B, or its I
+            if follower in self.local or follower in self.arrived_for:
+                self.ready.add(follower)
+        elif task.kind is TaskKind.INPUT_GRAD:
+            self.ready.add(Task(TaskKind.WEIGHT_GRAD, task.chunk, task.microbatch))  # W's input is local
 
     def arrived(self, task: Task) -> None:
         self.arrived_for.add(task)
-        if task.is_forward or Task(TaskKind.FORWARD, task.chunk, task.microbatch) in self.state.completed:
+        if task.prerequisite is None or task.prerequisite in self.state.completed:
             self.ready.add(task)
 
     def receives(self) -> Iterable[Action]:
@@ -178,15 +183,17 @@ def simulate_schedule(name: str, layout: PipelineLayout, costs: TaskCosts | None
 
 
 def _waits_for(layout: PipelineLayout, state: RankState, task: Task) -> str:
-    own_forward = Task(TaskKind.FORWARD, task.chunk, task.microbatch)
-    if not task.is_forward and own_forward not in state.completed:
-        return f"its own forward {own_forward}, not run yet"
+    before = task.prerequisite
+    if before is not None and before not in state.completed:
+        return f"its own {'forward' if before.is_forward else 'input gradient'} {before}, not run yet"
     source = layout.input_source(state.rank, task)
     if source is None:
         return "nothing (its input is local)"
     peer_rank, peer_chunk = source
     what = "activation" if task.is_forward else "gradient"
-    return f"the {what} from {Task(task.kind, peer_chunk, task.microbatch)} on rank {peer_rank}, not run yet"
+    producer = Task(task.kind, peer_chunk, task.microbatch) if task.is_forward else \
+        layout.gradient_task(peer_chunk, task.microbatch)
+    return f"the {what} from {producer} on rank {peer_rank}, not run yet"
 
 
 def _render_order(done: Sequence[Task], pending: Sequence[Task], context: int = 12) -> str:
@@ -275,20 +282,25 @@ def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
                         help="multiply a rank's compute time, e.g. 2:1.5 (repeatable)")
     parser.add_argument("--jitter", type=float, default=0.0, help="relative compute jitter in [0, 1]")
     parser.add_argument("--link-jitter", type=float, default=0.0, help="relative transfer jitter in [0, 1]")
+    parser.add_argument("--weight-grad-fraction", type=float, default=0.5,
+                        help="share of a backward's time that its weight gradient W takes when the backward is "
+                             "split into I and W (zero-bubble schedules); I takes the rest (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the jitter draws (default %(default)s)")
 
 
 def simulation_from_args(args: argparse.Namespace) -> tuple[PipelineLayout, CostModel]:
     """The layout and cost model the flags of add_simulation_arguments describe; ValueError
-    (ScheduleError included) with what to change."""
-    layout = PipelineLayout(args.pp, args.chunks, args.microbatches)
+    (ScheduleError included) with what to change. The backward is split into I and W when
+    `args.schedule` (if the command line has one) is a zero-bubble schedule."""
+    split = getattr(args, "schedule", None) in ZERO_BUBBLE_SCHEDULES
+    layout = PipelineLayout(args.pp, args.chunks, args.microbatches, split_backward=split)
     for rank, _ in args.slow_rank:
         if not 0 <= rank < args.pp:
             raise ScheduleError(f"--slow-rank names rank {rank}, but --pp {args.pp} has ranks 0..{args.pp - 1}")
     costs = CostModel(forward_time=args.forward_ms, backward_time=args.backward_ms, p2p_latency=args.p2p_ms,
                       link_latency=dict(args.link_ms), message_bytes=args.message_bytes,
                       bandwidth_gbs=args.bandwidth_gbs, rank_slowdown=dict(args.slow_rank), jitter=args.jitter,
-                      link_jitter=args.link_jitter, seed=args.seed)
+                      link_jitter=args.link_jitter, seed=args.seed, weight_grad_fraction=args.weight_grad_fraction)
     return layout, costs
 
 
@@ -307,9 +319,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _report(name: str, result: SimulationResult, costs: CostModel) -> str:
     layout = result.layout
+    split = f" (W {costs.weight_grad_fraction:.0%})" if layout.split_backward else ""
     lines = [
         f"schedule {name}: pp={layout.pp_size} chunks={layout.num_chunks} microbatches={layout.num_microbatches}"
-        f" | forward {costs.forward_time:g} ms, backward {costs.backward_time:g} ms, p2p {costs.p2p_latency:g} ms",
+        f" | forward {costs.forward_time:g} ms, backward {costs.backward_time:g} ms{split}, p2p {costs.p2p_latency:g} ms",
         f"{'rank':>4}  {'tasks':>5}  {'busy ms':>9}  {'idle ms':>9}  {'bubble':>7}  {'peak activations':>16}",
     ]
     for rank in range(layout.pp_size):
@@ -319,11 +332,17 @@ def _report(name: str, result: SimulationResult, costs: CostModel) -> str:
             f"  {result.bubble_fractions[rank]:>6.1%}  {result.peak_stored_activations[rank]:>16}"
         )
     mean_bubble = sum(result.bubble_fractions) / layout.pp_size
-    # What 1F1B (v=1) and interleaved 1F1B reach with uniform costs and free links.
     tasks_per_rank = layout.num_chunks * layout.num_microbatches
-    ideal = (layout.pp_size - 1) / (tasks_per_rank + layout.pp_size - 1)
-    lines.append(f"makespan {result.makespan:.3f} ms | mean bubble {mean_bubble:.1%}"
-                 f" | uniform-cost ideal (p-1)/(v*m+p-1) = {ideal:.1%}")
+    if layout.split_backward:
+        # No order does better with uniform costs and free links: the last rank's first forward
+        # starts after p-1 others, and then it has v*m forwards and backwards to run.
+        warmup = (layout.pp_size - 1) * costs.forward_time
+        work = tasks_per_rank * (costs.forward_time + costs.backward_time)
+        bound = warmup / (warmup + work) if warmup + work > 0 else 0.0
+        ideal = f"uniform-cost lower bound (p-1)F/((p-1)F+v*m*(F+B)) = {bound:.1%}"
+    else:  # what 1F1B (v=1) and interleaved 1F1B reach with uniform costs and free links
+        ideal = f"uniform-cost ideal (p-1)/(v*m+p-1) = {(layout.pp_size - 1) / (tasks_per_rank + layout.pp_size - 1):.1%}"
+    lines.append(f"makespan {result.makespan:.3f} ms | mean bubble {mean_bubble:.1%} | {ideal}")
     return "\n".join(lines)
 
 

@@ -176,7 +176,7 @@ class Engine:
         self.running[position] = None
         self.records.append(TaskRecord(position, action.task, start, self.now))
         self.busy[position] += self.now - start
-        if not action.task.is_forward:
+        if action.task.frees_activation:
             self.stored[position] -= 1
         self.sources[position].completed(action)
         program = self.programs[position]  # the communication after a compute goes out as it ends

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from megatron.app.schedule import PipelineLayout, Task
+from megatron.app.schedule import PipelineLayout, Task, TaskKind
 
 __all__ = ["CostModel", "TaskCosts", "TaskRecord", "TransferRecord", "SimulationResult", "SimulationDeadlock",
            "PolicyError"]
@@ -52,7 +52,8 @@ def _jitter_factor(jitter: float, key: str) -> float:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CostModel:
     """Durations in milliseconds. Compute time of a task = base time of its (rank, chunk) x the rank's
-    slowdown x a jitter factor in [1 - jitter, 1 + jitter]. Transfer time between different ranks =
+    slowdown x a jitter factor in [1 - jitter, 1 + jitter]; a split backward's I and W share its
+    backward time by weight_grad_fraction. Transfer time between different ranks =
     latency + message_bytes / bandwidth, x a factor in [1 - link_jitter, 1 + link_jitter].
     A transfer between two chunks of the same rank is free unless link_latency names (rank, rank)."""
 
@@ -69,6 +70,9 @@ class CostModel:
     link_bandwidth_gbs: Mapping[tuple[int, int], float] = field(default_factory=dict)
     link_jitter: float = 0.0
     seed: int = 0
+    # A split backward: W takes this share of the backward's time, I the rest (half each: the
+    # input- and weight-gradient GEMMs of the linear layers cost the same).
+    weight_grad_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         times = {"forward_time": self.forward_time, "backward_time": self.backward_time, "p2p_latency": self.p2p_latency}
@@ -88,7 +92,7 @@ class CostModel:
         for link, value in bandwidths.items():
             if value <= 0:
                 raise ValueError(f"cost model: bandwidth of {link} must be > 0 GB/s, got {value}")
-        for name in ("jitter", "link_jitter"):
+        for name in ("jitter", "link_jitter", "weight_grad_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"cost model: {name} is relative and must be in [0, 1], got {getattr(self, name)}")
 
@@ -97,6 +101,10 @@ class CostModel:
             base = self.stage_forward_time.get((rank, task.chunk), self.forward_time)
         else:
             base = self.stage_backward_time.get((rank, task.chunk), self.backward_time)
+            if task.kind is TaskKind.INPUT_GRAD:
+                base *= 1.0 - self.weight_grad_fraction
+            elif task.kind is TaskKind.WEIGHT_GRAD:
+                base *= self.weight_grad_fraction
         slowdown = self.rank_slowdown.get(rank, 1.0)
         return base * slowdown * _jitter_factor(self.jitter, f"{self.seed}:compute:{rank}:{task}")
 

@@ -8,7 +8,11 @@ import os
 import tempfile
 from typing import Any
 
+from megatron.app.schedule import TaskKind
 from megatron.app.simulator_model import SimulationResult
+
+_CATEGORY = {TaskKind.FORWARD: "forward", TaskKind.BACKWARD: "backward", TaskKind.INPUT_GRAD: "input gradient",
+             TaskKind.WEIGHT_GRAD: "weight gradient"}
 
 
 def to_chrome_trace(result: SimulationResult, *, flows: bool = True) -> dict[str, Any]:
@@ -25,7 +29,7 @@ def to_chrome_trace(result: SimulationResult, *, flows: bool = True) -> dict[str
         task = record.task
         events.append({
             "name": str(task),
-            "cat": "forward" if task.is_forward else "backward",
+            "cat": _CATEGORY[task.kind],
             "ph": "X",
             "pid": record.rank,
             "tid": 0,
@@ -39,7 +43,7 @@ def to_chrome_trace(result: SimulationResult, *, flows: bool = True) -> dict[str
         })
         if task.is_forward:
             memory_changes.append((record.start, record.rank, +1))
-        else:
+        elif task.frees_activation:
             memory_changes.append((record.end, record.rank, -1))
     stored = [0] * layout.pp_size
     for time, rank, change in sorted(memory_changes):

@@ -2,6 +2,7 @@
 
 Each iteration runs the pipeline schedule, syncs gradients, steps the optimizer, logs, and
 checkpoints. Plugins hook in through megatron.app.plugins; nothing here tests their flags.
+(Over 400 lines: set-up, the step's actions and the loop are one sequence, read together.)
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from megatron.app import checkpoint as ckpt
 from megatron.app import megatron_lm
+from megatron.app.activation_memory import report_peak
 from megatron.app.arguments import build_parser, config_from_args
 from megatron.app.config import ConfigError, RunConfig, validate
 from megatron.app.data import DataError
@@ -30,7 +32,7 @@ from megatron.app.microbatches import MicrobatchPlan
 from megatron.app.model import build_model_chunks, count_parameters, unwrap_model
 from megatron.app.observer import span
 from megatron.app.plugins import PluginSet, RankRole, available_plugins, resolve_plugins
-from megatron.app.schedule import PipelineLayout, build_schedule
+from megatron.app.schedule import ZERO_BUBBLE_SCHEDULES, PipelineLayout, build_schedule
 from megatron.app.tokenizer import TokenizerError
 from megatron.app.training_data import TrainingData
 from megatron.app.transport import TorchDistributedTransport
@@ -87,6 +89,11 @@ def pick_schedule_name(cfg: RunConfig) -> str:
     if name in ("auto", MegatronCoreSchedule.schedule_name):
         return "interleaved" if cfg.num_chunks > 1 else "1f1b"
     return name
+
+
+def splits_backward(cfg: RunConfig, plugins: PluginSet) -> bool:
+    """Whether each backward runs as I and W: a zero-bubble order, or a plugin's executor that asks."""
+    return pick_schedule_name(cfg) in ZERO_BUBBLE_SCHEDULES or bool(plugins.first("split_backward", cfg))
 
 
 def schedule_name(ctx: TrainContext) -> str:
@@ -157,7 +164,7 @@ def setup(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
         ckpt.check_room_for_next_save(cfg.checkpoint.save, ctx.rank)
 
     ctx.layout = PipelineLayout(pp_size=p.pipeline_model_parallel_size, num_chunks=cfg.num_chunks,
-                                num_microbatches=cfg.num_microbatches)
+                                num_microbatches=cfg.num_microbatches, split_backward=splits_backward(cfg, plugins))
     ctx.schedule = build_schedule(pick_schedule_name(cfg), ctx.layout, ctx.pp_rank)
     ctx.stage = StageContext(
         layout=ctx.layout,
@@ -188,7 +195,8 @@ def default_executor(ctx: TrainContext):
     """This trainer's executor over the static order, or megatron-core's own schedule."""
     if ctx.cfg.training.pipeline_schedule == MegatronCoreSchedule.schedule_name:
         return MegatronCoreSchedule(ctx.chunks, ctx.stage)
-    return PipelineExecutor(ctx.chunks, ctx.stage, ctx.transport, loss=ctx.loss)
+    return PipelineExecutor(ctx.chunks, ctx.stage, ctx.transport, loss=ctx.loss,
+                            measure_memory=ctx.cfg.training.report_activation_memory)
 
 
 def train_step(ctx: TrainContext, plugins: PluginSet) -> dict[str, Any]:
@@ -220,8 +228,7 @@ def planned_schedule(ctx: TrainContext, num_microbatches: int):
     if num_microbatches == ctx.layout.num_microbatches:
         return ctx.layout, ctx.schedule
     if num_microbatches not in ctx._schedules:
-        layout = PipelineLayout(pp_size=ctx.layout.pp_size, num_chunks=ctx.layout.num_chunks,
-                                num_microbatches=num_microbatches)
+        layout = dataclasses.replace(ctx.layout, num_microbatches=num_microbatches)
         ctx._schedules[num_microbatches] = (layout, build_schedule(pick_schedule_name(ctx.cfg), layout, ctx.pp_rank))
     return ctx._schedules[num_microbatches]
 
@@ -323,6 +330,8 @@ def train(cfg: RunConfig, plugins: PluginSet) -> TrainContext:
             print_rank_0(f"exiting at iteration {ctx.iteration} ({reason})")
             break
     logger.close()
+    if t.report_activation_memory:
+        report_peak(ctx.executor, ctx.rank, ctx.pp_rank)
     return ctx
 
 
@@ -374,7 +383,15 @@ def _check_plugins_fit(cfg: RunConfig, plugins: PluginSet) -> None:
                                                  ("--calculate-per-token-loss", cfg.model.calculate_per_token_loss))
                           if on]
     mcore = cfg.training.pipeline_schedule == MegatronCoreSchedule.schedule_name
+    zero_bubble = cfg.training.pipeline_schedule in ZERO_BUBBLE_SCHEDULES
     for plugin in plugins.plugins:
+        runs_own = [hook for hook in ("make_executor", "make_step_runner") if plugin.overrides(hook)]
+        if zero_bubble and runs_own:
+            raise ConfigError(
+                f"--pipeline-schedule {cfg.training.pipeline_schedule} is a static order of this trainer's "
+                f"executor, which the {plugin.name} plugin replaces with its own"
+                + (" (MegaDPP splits backwards with --dpp-split-backward)" if plugin.name == "dpp" else "")
+                + "; drop one of the two flags")
         if needs_trainer_step and plugin.overrides("make_step_runner"):
             raise ConfigError(f"{' and '.join(needs_trainer_step)} cannot run with the {plugin.name} plugin, which "
                               "runs its own training step; drop that plugin's flag (or use --bf16 for --fp16)")

@@ -21,7 +21,7 @@ from .policy import DppPolicy
 
 logger = logging.getLogger(__name__)
 
-_KINDS = (TaskKind.FORWARD, TaskKind.BACKWARD)
+_KINDS = tuple(TaskKind)  # a decision's kind travels as its index here
 
 
 class DppOrder:
@@ -37,6 +37,7 @@ class DppOrder:
                  idle_timeout_s: float = 1e-3) -> None:
         self.policy_name = policy
         self.budget = budget
+        self.split = layout.split_backward
         DppPolicy(policy, layout, budget)  # validates name and budget now, not in iteration 1
         me = dist.get_rank() if dist.is_initialized() else 0
         self.tp_ranks = list(tp_ranks) or [me]
@@ -47,7 +48,8 @@ class DppOrder:
     @property
     def name(self) -> str:
         """What the trainer's start-up line prints as the schedule."""
-        return f"dpp-{self.policy_name} (budget {self.budget if self.budget is not None else 'none'})"
+        return (f"dpp-{self.policy_name}{'+W' if self.split else ''} "
+                f"(budget {self.budget if self.budget is not None else 'none'})")
 
     def program(self, executor: PipelineExecutor, tasks: Sequence[Task], forward_only: bool,
                 step: bool) -> Iterator[Action]:
@@ -101,7 +103,7 @@ class DppOrder:
 
 def dpp_executor(chunks: Sequence[torch.nn.Module], stage: StageContext, transport: Transport, *, policy: str,
                  budget: int | None, tp_ranks: Sequence[int] = (), idle_timeout_s: float = 1e-3,
-                 loss: LossOptions = LossOptions()) -> PipelineExecutor:
-    """The pipeline executor with a MegaDPP order."""
+                 loss: LossOptions = LossOptions(), measure_memory: bool = False) -> PipelineExecutor:
+    """The pipeline executor with a MegaDPP order (its stage's layout says whether backwards split)."""
     order = DppOrder(stage.layout, policy=policy, budget=budget, tp_ranks=tp_ranks, idle_timeout_s=idle_timeout_s)
-    return PipelineExecutor(chunks, stage, transport, order=order, loss=loss)
+    return PipelineExecutor(chunks, stage, transport, order=order, loss=loss, measure_memory=measure_memory)

@@ -39,6 +39,11 @@ class DppPlugin(Plugin):
         g.add_argument("--dpp-memory-budget", default=None, metavar="N|SIZE",
                        help="stored activations per rank: a count (e.g. 4) or a size (e.g. 64MB); "
                             "default: 2x static 1F1B's for adaptive, unbounded for dfc/bfc")
+        g.add_argument("--dpp-split-backward", action="store_true",
+                       help="split each backward into the input gradient (I, sent upstream at once) and the "
+                            "weight gradients (W), and run a pending W whenever no forward or I is ready, within "
+                            "the memory budget (an activation is held until its W); every W runs before the "
+                            "optimizer step")
         g.add_argument("--dpp-transport", default="shm",
                        help="shm: shm_tensor_rdma (shared memory; verbs/TCP across hosts with --multi-node); "
                             "torch: torch.distributed isend/irecv (gloo)")
@@ -82,6 +87,9 @@ class DppPlugin(Plugin):
             transport=args.dpp_transport, workload_bytes=args.workload, num_gpus=args.num_gpus,
             node_ips=tuple(args.node_ips), multi_node=args.multi_node)
 
+    def split_backward(self, cfg) -> bool:
+        return bool(cfg.args.dpp_split_backward)
+
     def make_transport(self, ctx):
         c = self.config
         if c.transport == "torch":
@@ -96,12 +104,14 @@ class DppPlugin(Plugin):
 
         tp_ranks = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
         return dpp_executor(ctx.chunks, ctx.stage, ctx.transport, policy=self.config.policy,
-                            budget=self.config.budget, tp_ranks=tp_ranks, loss=ctx.loss)
+                            budget=self.config.budget, tp_ranks=tp_ranks, loss=ctx.loss,
+                            measure_memory=ctx.cfg.training.report_activation_memory)
 
     def setup(self, ctx) -> None:
         budget = self.config.budget
         if ctx.rank == 0:
-            print(f"[dpp] policy {self.config.policy}, memory budget "
+            print(f"[dpp] policy {self.config.policy}"
+                  f"{', split backward (W fills idle time)' if ctx.layout.split_backward else ''}, memory budget "
                   f"{budget if budget is not None else 'unbounded'} activations per rank, "
                   f"transport {ctx.executor.transport.name}", flush=True)
 

@@ -1,5 +1,8 @@
 """MegaDPP scheduling policies: which ready task a rank runs next (dfc, bfc, adaptive), with the
-activation-memory admission rule. Pure Python; the same objects drive the runtime executor and the
+activation-memory admission rule. With split backwards (I and W) every policy runs a pending W
+only when no F or I it may run is ready (the oldest W first: its activation has waited longest),
+so weight gradients fill the time a rank would otherwise wait; an iteration ends only once every
+W ran, before the optimizer step. Pure Python; the same objects drive the runtime executor and the
 simulator (they satisfy megatron.app.simulator.Policy), both over a RankState
 (megatron.app.lower_dynamic)."""
 from __future__ import annotations
@@ -25,7 +28,7 @@ def _depth_first_key(task: Task) -> tuple:
     # Backward first (it frees memory and unblocks upstream ranks), oldest microbatch first, and within
     # one microbatch the chunk nearest the end of its backward. Forwards: the deepest chunk first, so a
     # microbatch runs through all of this rank's chunks before a new one is started.
-    if task.kind is TaskKind.BACKWARD:
+    if task.takes_gradient:
         return (0, task.microbatch, task.chunk)
     return (1, -task.chunk, task.microbatch)
 
@@ -42,7 +45,7 @@ def _adaptive_key(task: Task) -> tuple:
     # Below the budget: a ready backward first (oldest microbatch), then forwards breadth-first. The
     # backward must not wait behind new forwards, else the last stage, whose backward is ready right
     # after its forward, would hold every gradient back and stall the ranks upstream.
-    if task.kind is TaskKind.BACKWARD:
+    if task.takes_gradient:
         return (0, task.microbatch, task.chunk)
     return (1, task.chunk, task.microbatch)
 
@@ -86,7 +89,7 @@ def static_peak_activations(layout: PipelineLayout, schedule: str = "auto", pp_r
         return min(warmup + 1, layout.num_chunks * layout.num_microbatches)
     stored = peak = 0
     for task in order:
-        stored += 1 if task.is_forward else -1
+        stored += 1 if task.is_forward else -1 if task.frees_activation else 0
         peak = max(peak, stored)
     return peak
 
@@ -111,7 +114,7 @@ class MemoryLedger:
         for task in executed[self._seen:]:
             if task.is_forward:
                 self.forwards_started[task.microbatch] = self.forwards_started.get(task.microbatch, 0) + 1
-            else:
+            elif task.frees_activation:  # B, or W (I keeps what its W needs)
                 self.backwards_started += 1
         self._seen = len(executed)
 
@@ -150,14 +153,25 @@ class DppPolicy:
 
     def choose(self, state: _ExecutedView, ready: Sequence[Task]) -> Task | None:
         self.ledger.observe(state.executed)
-        candidates = [task for task in ready if self.ledger.admits(task)]
+        candidates = [task for task in ready if task.kind is not TaskKind.WEIGHT_GRAD and self.ledger.admits(task)]
         if not candidates:
-            return None
+            return _oldest_weight_grad(state.executed, ready)
         at_budget = self.ledger.at_budget(state.stored_activations)
         return min(candidates, key=lambda task: task_priority(self.name, task, at_budget))
 
     def __repr__(self) -> str:
         return f"DppPolicy({self.name!r}, budget={self.budget})"
+
+
+def _oldest_weight_grad(executed: Sequence[Task], ready: Sequence[Task]) -> Task | None:
+    """The ready W whose I ran first, or None."""
+    waiting = {task for task in ready if task.kind is TaskKind.WEIGHT_GRAD}
+    if not waiting:
+        return None
+    for task in executed:
+        if task.kind is TaskKind.INPUT_GRAD and (w := Task(TaskKind.WEIGHT_GRAD, task.chunk, task.microbatch)) in waiting:
+            return w
+    return min(waiting)
 
 
 def dpp_policies(layout: PipelineLayout, name: str, budget: int | None = None) -> list[DppPolicy]:

@@ -152,7 +152,9 @@ class DeviceFault(LayerWatcher):
     autograd after each layer's backward (`attach` with the layers), so every traced span around
     the layer (forward, backward, layer scopes) lengthens as on a slow device. A model with no
     transformer layers found gets it at the end of each forward/backward span instead, while the
-    span is still open (`attach` with no layers installs this object as an observer)."""
+    span is still open. A split backward's W (the `backward_weight` span) runs outside the layers'
+    hooks, so it is slowed at the end of its span in either case (`attach` installs this object as
+    an observer for that)."""
 
     adds_work = True
 
@@ -169,6 +171,7 @@ class DeviceFault(LayerWatcher):
         self.attached = False
         self.injected_s = 0.0
         self.stall_count = 0
+        self._observing = False
 
     def begin_iteration(self, iteration: int) -> None:
         self.factor = 1.0
@@ -182,8 +185,9 @@ class DeviceFault(LayerWatcher):
         self.layers = list(layers)
         if self.layers:
             watch_layers(self.layers, self)
-        else:
+        if not self._observing:
             set_observer(self)
+            self._observing = True
         self.attached = True
 
     def detach(self) -> None:
@@ -219,10 +223,11 @@ class DeviceFault(LayerWatcher):
     def backward_end(self, layer, state, begun):
         self.compute_done(self.burner.since(begun))
 
-    # --- observer, for models without transformer layers ---------------------------------
+    # --- observer: W's span, and every compute span of models without transformer layers --
     @contextlib.contextmanager
     def span(self, kind: str, **attrs: Any) -> Iterator[None]:
-        if kind not in COMPUTE_SPANS or not self.attached or self.layers:
+        slowed = kind == "backward_weight" or (kind in COMPUTE_SPANS and not self.layers)
+        if not slowed or not self.attached:
             yield
             return
         begun = self.burner.clock()

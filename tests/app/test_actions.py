@@ -97,7 +97,7 @@ def test_orders_that_wait_on_each_other_deadlock_in_the_action_simulator():
 
 
 def test_every_static_schedule_is_lowered_by_the_same_pass():
-    assert set(SCHEDULES) == {"1f1b", "interleaved", "gpipe"}
+    assert set(SCHEDULES) == {"1f1b", "interleaved", "gpipe", "zb-h1", "zb-h2"}
     layout = PipelineLayout(2, 1, 1)
     assert lower(layout, 0, build_schedule("gpipe", layout, 0)) == [
         Action(Op.FORWARD, build_schedule("gpipe", layout, 0)[0]),

@@ -2,6 +2,7 @@
 static schedule and with each DPP policy, and 20 training iterations of each; checks loss and
 per-parameter gradients equal the static run and writes what it compared to OUT/rank{R}.json."""
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -19,9 +20,10 @@ from megatron.app.executor import PipelineExecutor, StageContext  # noqa: E402
 from megatron.app.model import build_model_chunks  # noqa: E402
 from megatron.app.schedule import PipelineLayout, build_schedule  # noqa: E402
 from megatron.dpp.order import dpp_executor  # noqa: E402
+from megatron.dpp.policy import default_budget  # noqa: E402
 from megatron.dpp.transport import TorchP2PTransport, make_shm_transport  # noqa: E402
 
-POLICIES = ("adaptive", "dfc", "bfc")
+POLICIES = ("adaptive", "dfc", "bfc", "adaptive+W")  # +W: backwards split into I and W (--dpp-split-backward)
 MICROBATCHES, SEQ, MBS, HIDDEN = 8, 16, 2, 64
 
 
@@ -90,8 +92,13 @@ def main() -> None:
         curve = args.curve_iterations if name == "pp4" else 1
         static_losses, static_grads = iterate(backend, chunks, PipelineExecutor(chunks, stage, shm), stage, curve, 0.05)
         for policy in POLICIES:
+            name_of, split = policy.removesuffix("+W"), policy.endswith("+W")
             budget = None if policy != "adaptive" else stage.layout.num_chunks  # tightest budget there is
-            executor = dpp_executor(chunks, stage, transport, policy=policy, budget=budget, tp_ranks=tp_ranks)
+            run_stage = stage
+            if split:  # the default budget, which leaves room for W's to wait
+                run_stage = dataclasses.replace(stage, layout=dataclasses.replace(stage.layout, split_backward=True))
+                budget = default_budget(name_of, run_stage.layout)
+            executor = dpp_executor(chunks, run_stage, transport, policy=name_of, budget=budget, tp_ranks=tp_ranks)
             losses, grads = iterate(backend, chunks, executor, stage, curve, 0.05)
             # Per iteration, microbatch losses in the order the last stage finished them.
             for mine, theirs in zip(losses, static_losses):
@@ -103,9 +110,9 @@ def main() -> None:
             compared.append({"layout": name, "policy": policy, "iterations": len(losses),
                              "parameters": len(grads), "order": [str(t) for t in executor.last_order],
                              "peak": executor.peak_stored_activations, "budget": budget,
-                             "pp_rank": stage.pp_rank, "pp": pp, "chunks": stage.layout.num_chunks,
+                             "pp_rank": stage.pp_rank, "pp": pp, "chunks": stage.layout.num_chunks, "split": split,
                              "tp_rank": tp_ranks.index(rank),
-                             "actions": [[a.op.value, str(a.task) if a.task else None, a.peer, a.tag]
+                             "actions": [[a.op.value, str(a.task) if a.task else None, a.peer, a.tag, a.payload]
                                          for a in executor.last_actions],
                              "losses": [sum(l) / len(l) for l in losses if l]})
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(compared))
