@@ -1,15 +1,18 @@
 """Compare the static schedule with the DPP policies on the simulator's cost model, over many
-jitter seeds: mean and p95 makespan, ratio to static, peak stored activations.
+jitter seeds: mean and p95 makespan, ratio to static, peak stored activations. With
+`--split-backward` also the zero-bubble static orders and each policy with backwards split into I
+and W (`policy+W`, what `--dpp-split-backward` runs).
 `python -m megatron.dpp.simulate --help`."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron.app.schedule import PipelineLayout, ScheduleError
+from megatron.app.schedule import ZERO_BUBBLE_SCHEDULES, PipelineLayout, ScheduleError
 from megatron.app.simulator import (CostModel, SimulationDeadlock, add_simulation_arguments, simulate,
                                     simulation_from_args, static_policies, write_chrome_trace)
 
@@ -34,18 +37,26 @@ class Comparison:
 
 
 def compare(layout: PipelineLayout, costs: CostModel, *, seeds: int = 1, budget: int | None = None,
-            static: str | None = None, policies: Sequence[str] = POLICY_NAMES) -> list[Comparison]:
-    """The static order (first row) and each policy on the same per-seed costs."""
+            static: str | None = None, policies: Sequence[str] = POLICY_NAMES,
+            split: bool = False) -> list[Comparison]:
+    """The static order (first row) and each policy on the same per-seed costs; with `split` also
+    the zero-bubble orders and each policy on split backwards ("adaptive+W")."""
     static = static or ("1f1b" if layout.num_chunks == 1 else "interleaved")
-    runs: dict[str, list] = {static: []} | {policy: [] for policy in policies}
-    budgets: dict[str, int | None] = {static: None}
+    split_layout = dataclasses.replace(layout, split_backward=True)
+    statics = [(static, layout)] + ([(name, split_layout) for name in ZERO_BUBBLE_SCHEDULES] if split else [])
+    dynamics = [(policy, policy, layout) for policy in policies]
+    if split:
+        dynamics += [(f"{policy}+W", policy, split_layout) for policy in policies]
+    runs: dict[str, list] = {name: [] for name, _ in statics} | {row: [] for row, _, _ in dynamics}
+    budgets: dict[str, int | None] = {name: None for name, _ in statics}
     for seed in range(seeds):
         seeded = CostModel(**{**_fields(costs), "seed": costs.seed + seed})
-        runs[static].append(simulate(layout, static_policies(layout, static), seeded))
-        for policy in policies:
-            chosen = budget if budget is not None else default_budget(policy, layout)
-            budgets[policy] = chosen
-            runs[policy].append(simulate(layout, dpp_policies(layout, policy, chosen), seeded))
+        for name, on in statics:
+            runs[name].append(simulate(on, static_policies(on, name), seeded))
+        for row, policy, on in dynamics:
+            chosen = budget if budget is not None else default_budget(policy, on)
+            budgets[row] = chosen
+            runs[row].append(simulate(on, dpp_policies(on, policy, chosen), seeded))
     return [Comparison(name, tuple(r.makespan for r in results),
                        max(max(r.peak_stored_activations) for r in results), budgets[name])
             for name, results in runs.items()]
@@ -74,12 +85,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=None, help="stored activations per rank (all policies)")
     parser.add_argument("--policy", choices=POLICY_NAMES, action="append", default=None,
                         help="a DPP policy to compare with the static schedule (repeatable; default: all)")
+    parser.add_argument("--split-backward", action="store_true",
+                        help="also the zero-bubble orders (zb-h1, zb-h2) and each policy with backwards split "
+                             "into I and W (rows 'policy+W'); W takes --weight-grad-fraction of a backward")
     parser.add_argument("--chrome-trace", metavar="PATH", help="Chrome trace of the first policy, first seed")
     args = parser.parse_args(argv)
     policies = args.policy or list(POLICY_NAMES)
     try:
         layout, costs = simulation_from_args(args)
-        rows = compare(layout, costs, seeds=max(1, args.seeds), budget=args.budget, policies=policies)
+        rows = compare(layout, costs, seeds=max(1, args.seeds), budget=args.budget, policies=policies,
+                       split=args.split_backward)
     except (ValueError, ScheduleError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -17,7 +17,7 @@ from megatron.scan.trace_format import FLAG_ASYNC, FLAG_BACKWARD
 THREADS = {1: "compute", 2: "p2p", 3: "collectives", 4: "async collectives"}
 _P2P = {"send", "recv"}
 CATEGORY = {"iteration": "step", "data": "data", "forward": "compute", "backward": "compute",
-             "layer_forward": "layer", "layer_backward": "layer", "grad_sync": "step", "optimizer": "step",
+            "backward_weight": "compute", "layer_forward": "layer", "layer_backward": "layer", "grad_sync": "step", "optimizer": "step",
              "send": "p2p", "recv": "p2p", "collective_wait": "collective"}
 
 

@@ -92,3 +92,55 @@ def test_simulate_cli_compares_policies_with_static(capsys):
     assert rows["1f1b"][3] == "1.00x" and float(rows["adaptive"][3].rstrip("x")) < 0.9
     assert main(["--pp", "4", "--chunks", "2", "--microbatches", "8", "--budget", "1"]) == 2
     assert "below the minimum 2" in capsys.readouterr().err
+
+
+# --- split backwards (--dpp-split-backward): W fills idle time ----------------------------------
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "dfc", "bfc"])
+def test_split_backwards_never_deadlock_keep_the_budget_and_run_every_w(policy):
+    for seed in range(150):
+        layout, costs = random_case(seed)
+        layout = PipelineLayout(layout.pp_size, layout.num_chunks, layout.num_microbatches, split_backward=True)
+        budget = random.Random(seed).choice([None, minimum_budget(layout), default_budget("adaptive", layout)])
+        result = simulate(layout, dpp_policies(layout, policy, budget), costs)  # raises on deadlock
+        for rank in range(layout.pp_size):
+            assert sorted(result.order(rank)) == sorted(layout.tasks())
+        if budget is not None:
+            assert max(result.peak_stored_activations) <= budget, (seed, layout, budget)
+
+
+def test_w_runs_only_when_no_forward_or_input_gradient_may_run_oldest_first():
+    layout = PipelineLayout(2, 1, 4, split_backward=True)
+    executed = ["F0.0", "F0.1", "F0.2", "I0.1", "I0.0"]  # I0.1 ran before I0.0: its W is the older
+    policy = DppPolicy("adaptive", layout, 8)
+    waiting = [Task.parse("W0.0"), Task.parse("W0.1")]
+    assert str(policy.choose(_state(layout, executed, 3), [Task.parse("F0.3"), *waiting])) == "F0.3"
+    assert str(policy.choose(_state(layout, executed, 3), [Task.parse("I0.2"), *waiting])) == "I0.2"
+    assert str(policy.choose(_state(layout, executed, 3), waiting)) == "W0.1"
+    # At the budget a new microbatch's forward is not admitted, so a W runs (and frees its slot).
+    assert str(DppPolicy("adaptive", layout, 3).choose(_state(layout, executed, 3),
+                                                       [Task.parse("F0.3"), *waiting])) == "W0.1"
+
+
+def test_split_backwards_absorb_a_slow_link_beyond_the_goal():
+    """The issue's goal, in the simulator: DPP with W at least 1.15x 1F1B with one slow link."""
+    costs = CostModel(link_latency={(1, 2): 2.0, (2, 1): 2.0})
+    for pp, microbatches in ((4, 8), (2, 4)):
+        static = simulate(PipelineLayout(pp, 1, microbatches), static_policies(PipelineLayout(pp, 1, microbatches),
+                                                                                "1f1b"), costs).makespan
+        split = PipelineLayout(pp, 1, microbatches, split_backward=True)
+        with_w = simulate(split, dpp_policies(split, "adaptive"), costs).makespan
+        without = simulate(PipelineLayout(pp, 1, microbatches), dpp_policies(PipelineLayout(pp, 1, microbatches),
+                                                                             "adaptive"), costs).makespan
+        assert static / with_w >= 1.15 and with_w < without, (pp, static, without, with_w)
+
+
+def test_simulate_cli_with_split_backwards(capsys):
+    from megatron.dpp.simulate import main
+
+    assert main(["--pp", "4", "--microbatches", "8", "--link-ms", "1:2:2", "--link-ms", "2:1:2", "--seeds", "1",
+                 "--split-backward"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
+    assert set(rows) == {"1f1b", "zb-h1", "zb-h2", "adaptive", "dfc", "bfc", "adaptive+W", "dfc+W", "bfc+W"}
+    assert float(rows["adaptive+W"][1]) < float(rows["adaptive"][1]) < float(rows["1f1b"][1])
