@@ -27,6 +27,7 @@ import re
 import shlex
 import socket
 import statistics
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -131,10 +132,54 @@ def _port() -> int:
         return sock.getsockname()[1]
 
 
-def command(layout: Layout, model: Model, flags: list[str], iters: int) -> list[str]:
+CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
+CPU_PERIOD_US = 10_000  # a short period, so the quota spreads a rank's share evenly over each task
+
+
+def command(layout: Layout, model: Model, flags: list[str], iters: int, cgroup: Path | None = None) -> list[str]:
+    """The training run; with `cgroup` each rank first joins cgroup/rank<LOCAL_RANK> (--cpu-per-rank)."""
+    script = ["pretrain_gpt.py"] if cgroup is None else [str(Path(__file__).resolve()), WORKER_FLAG, str(cgroup),
+                                                          "pretrain_gpt.py"]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(layout.pp),
-            "--master-addr", "127.0.0.1", "--master-port", "PORT", "pretrain_gpt.py", *model.flags(layout),
+            "--master-addr", "127.0.0.1", "--master-port", "PORT", *script, *model.flags(layout),
             "--train-iters", str(iters), "--report-activation-memory", *flags]
+
+
+WORKER_FLAG = "--as-rank-in-cgroup"
+
+
+def run_as_rank_in_cgroup(argv: list[str]) -> None:
+    """What torchrun starts with --cpu-per-rank: join GROUP/rank<LOCAL_RANK> (every thread started
+    later stays in it), then run the training script as __main__."""
+    group, script, *rest = argv
+    (Path(group) / f"rank{os.environ['LOCAL_RANK']}" / "cgroup.procs").write_text(str(os.getpid()))
+    sys.argv = [script, *rest]
+    sys.path.insert(0, str(ROOT))
+    runpy.run_path(str(ROOT / script), run_name="__main__")
+
+
+class RankCpuShares:
+    """One cgroup (v1 cpu) per local rank, each with a quota of `fraction` of a core, so that ranks
+    outnumbering the cores each run as on a core of their own that is 1/fraction times slower:
+    a rank waiting in a bubble cannot lend its time to another. Removed by `close()`."""
+
+    def __init__(self, ranks: int, fraction: float) -> None:
+        if not (CGROUP_V1 / "cpu.cfs_quota_us").exists() or not os.access(CGROUP_V1, os.W_OK):
+            raise SystemExit(f"--cpu-per-rank needs a writable cgroup v1 cpu hierarchy at {CGROUP_V1} (run as root)")
+        self.group = CGROUP_V1 / f"pipeline-schedules-{os.getpid()}"
+        self.group.mkdir()
+        self.ranks = [self.group / f"rank{rank}" for rank in range(ranks)]
+        for directory in self.ranks:
+            directory.mkdir()
+            (directory / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+            (directory / "cpu.cfs_quota_us").write_text(str(max(1000, int(fraction * CPU_PERIOD_US))))
+
+    def close(self) -> None:
+        for directory in [*self.ranks, self.group]:
+            for pid in (directory / "cgroup.procs").read_text().split() if directory.exists() else []:
+                (CGROUP_V1 / "cgroup.procs").write_text(pid)  # a straggler goes back to the root group
+            if directory.exists():
+                directory.rmdir()
 
 
 @dataclass
@@ -209,7 +254,8 @@ class Calibration:
                 "layers_per_rank": self.layers_per_rank, "calibration_run_median_iteration_ms": self.runs}
 
 
-def calibrate(layout: Layout, model: Model, iters: int, timeout_s: float, work: Path, progress) -> Calibration:
+def calibrate(layout: Layout, model: Model, iters: int, timeout_s: float, work: Path, progress,
+              cgroup: Path | None = None) -> Calibration:
     unsplit: dict[int, dict[str, float]] = {}
     split: dict[int, dict[str, float]] = {}
     runs = {}
@@ -221,7 +267,7 @@ def calibrate(layout: Layout, model: Model, iters: int, timeout_s: float, work: 
         flags = [*schedule_flags(schedule, layout, None), "--trace", "--trace-dir", str(trace_dir),
                  "--trace-interval", "1", "--continuous-trace-iterations", "1", "--trace-granularity", "full"]
         progress(f"calibrating {layout.name}: traced equal-stage {schedule} run ({iters} iterations)")
-        result = run(command(layout, model, flags, iters), iters, timeout_s)
+        result = run(command(layout, model, flags, iters, cgroup), iters, timeout_s)
         runs[schedule] = [result.median_ms]
         progress(f"  done in {result.wall_s:.0f} s, median iteration {result.median_ms:.1f} ms (traced)")
         spans = _span_durations(trace_dir, first_iteration=2)
@@ -358,9 +404,11 @@ def _fmt_ranks(values: dict[int, float] | None, spec: str) -> str:
     return "/".join(format(values[r], spec) for r in sorted(values))
 
 
-def print_table(layout: Layout, cells: dict, scenarios, schedules, labels: dict[str, str]) -> None:
-    print(f"\n== {layout.name}: PP={layout.pp}, m={layout.microbatches}, "
-          f"{'oversubscribed: ' if layout.pp > (os.cpu_count() or 1) else ''}{layout.pp} ranks on "
+def print_table(layout: Layout, cells: dict, scenarios, schedules, labels: dict[str, str],
+                cpu_per_rank: float | None = None) -> None:
+    shared = f"each rank capped at {cpu_per_rank:g} of a core, " if cpu_per_rank is not None else (
+        "oversubscribed: " if layout.pp > (os.cpu_count() or 1) else "")
+    print(f"\n== {layout.name}: PP={layout.pp}, m={layout.microbatches}, {shared}{layout.pp} ranks on "
           f"{os.cpu_count()} cores ==")
     head = (f"{'scenario':<28} {'schedule':<12} {'tok/s meas (range)':>24} {'x1F1B':>6} {'tok/s pred':>10} "
             f"{'x1F1B':>6} {'meas/pred':>9}  {'peak act MiB per rank':<24} {'stored':<10}")
@@ -389,6 +437,9 @@ def print_table(layout: Layout, cells: dict, scenarios, schedules, labels: dict[
 
 
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == WORKER_FLAG:  # a rank started by torchrun under --cpu-per-rank
+        run_as_rank_in_cgroup(sys.argv[2:])
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[2:]))
@@ -427,6 +478,10 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None,
                         help="write every result (runs, medians, predictions, calibration, commands) here; "
                              "rewritten after each cell")
+    parser.add_argument("--cpu-per-rank", type=float, default=None, metavar="FRACTION",
+                        help="cap each rank at FRACTION of a core with a cgroup (v1 cpu quota, root), e.g. 0.5 to "
+                             "run PP=4 on 2 cores as 4 half-speed cores: a rank idle in a bubble then cannot lend "
+                             "its time to another (default: no cap; ranks beyond the cores share them)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the measured runs' training commands and exit (no calibration, no runs)")
     args = parser.parse_args()
@@ -474,13 +529,35 @@ def main() -> int:
           f"{args.dpp_transport or 'shm (the default --dpp-transport)'}")
     print("predicted = tokens / simulated makespan; the simulator models the pipeline only (no optimizer step, "
           "no DP/embedding all-reduce, no Python overhead): compare the ratios to 1F1B", flush=True)
+    shares = None
+    if args.cpu_per_rank is not None:
+        if not 0 < args.cpu_per_rank <= 1:
+            parser.error(f"--cpu-per-rank is a share of one core in (0, 1], got {args.cpu_per_rank}")
+        shares = RankCpuShares(max(LAYOUTS[name].pp for name in args.layouts), args.cpu_per_rank)
+        report["cpu_per_rank"] = args.cpu_per_rank
+    try:
+        measure(args, report, schedules, model, cores, work, progress, save, shares)
+    finally:
+        if shares is not None:
+            shares.close()
+    progress(f"finished; {'results in ' + str(args.json) if args.json else 'no --json given'}")
+    return 0
+
+
+def measure(args, report, schedules, model, cores, work, progress, save, shares) -> None:
+    """Calibrate, run and print every layout's cells (main's loop)."""
+    cgroup = shares.group if shares is not None else None
     for name in args.layouts:
         layout = LAYOUTS[name]
-        if layout.pp > cores:
+        if shares is not None:
+            progress(f"{name}: each rank capped at {args.cpu_per_rank:g} of a core (cgroup quota, "
+                     f"{CPU_PERIOD_US // 1000} ms periods): {layout.pp} x {args.cpu_per_rank:g} = "
+                     f"{layout.pp * args.cpu_per_rank:g} cores of {cores}")
+        elif layout.pp > cores:
             progress(f"{name}: {layout.pp} ranks on {cores} cores: OVERSUBSCRIBED, ranks share cores (the slow "
                      f"stage's injected time is then a sleep, which frees its core); figures are not one core "
                      f"per rank")
-        cal = calibrate(layout, model, args.calibration_iters, args.run_timeout, work, progress)
+        cal = calibrate(layout, model, args.calibration_iters, args.run_timeout, work, progress, cgroup)
         for r in sorted(cal.split):
             u, s = cal.unsplit[r], cal.split[r]
             progress(f"  pp rank {r}: 1f1b trace F {u['forward']:.1f} B {u['backward']:.1f} (per layer F "
@@ -497,7 +574,7 @@ def main() -> int:
                  + ", ".join(f"{s} {r:.2f}" for s, r in uniform.items()))
         entry = {"pp": layout.pp, "microbatches": layout.microbatches, "num_layers": layout.num_layers,
                  "global_batch": model.global_batch(layout), "tokens_per_iteration": model.tokens(layout),
-                 "oversubscribed": layout.pp > cores, "link_delay_ms": delay, "slow_link": list(layout.slow_link),
+                 "oversubscribed": layout.pp > cores and shares is None, "link_delay_ms": delay, "slow_link": list(layout.slow_link),
                  "slow_rank": layout.slow_rank, "calibration": cal.to_dict(),
                  "uniform_cost_ratio_to_1f1b": uniform, "cells": []}
         report["layouts"][name] = entry
@@ -513,7 +590,7 @@ def main() -> int:
                 for schedule in schedules[shift:] + schedules[:shift]:
                     flags = schedule_flags(schedule, layout, args.dpp_transport) + \
                         scenario_flags(scenario, layout, delay, args.slowdown)
-                    cmd = command(layout, model, flags, args.iters)
+                    cmd = command(layout, model, flags, args.iters, cgroup)
                     commands[schedule] = shlex.join(cmd)
                     done += 1
                     result = run(cmd, args.iters, args.run_timeout)
@@ -549,10 +626,9 @@ def main() -> int:
                 entry["cells"].append({k: ({str(r): v for r, v in val.items()} if isinstance(val, dict) and
                                            k in ("memory_mib", "stored") else val) for k, val in cell.items()})
             save()
-            print_table(layout, {k: v for k, v in cells.items() if k[0] == scenario}, [scenario], schedules, labels)
-        print_table(layout, cells, args.scenarios, schedules, labels)
-    progress(f"finished; {'results in ' + str(args.json) if args.json else 'no --json given'}")
-    return 0
+            print_table(layout, {k: v for k, v in cells.items() if k[0] == scenario}, [scenario], schedules, labels,
+                        args.cpu_per_rank)
+        print_table(layout, cells, args.scenarios, schedules, labels, args.cpu_per_rank)
 
 
 if __name__ == "__main__":

@@ -153,8 +153,8 @@ class DeviceFault(LayerWatcher):
     the layer (forward, backward, layer scopes) lengthens as on a slow device. A model with no
     transformer layers found gets it at the end of each forward/backward span instead, while the
     span is still open. A split backward's W (the `backward_weight` span) runs outside the layers'
-    hooks, so it is slowed at the end of its span in either case (`attach` installs this object as
-    an observer for that)."""
+    hooks, so with `attach(..., weight_grads=True)` it is slowed at the end of its span too (this
+    object is then an observer as well)."""
 
     adds_work = True
 
@@ -180,12 +180,13 @@ class DeviceFault(LayerWatcher):
                 self.factor *= slowdown.factor
         self._stalls_in_force = tuple(i for i, s in enumerate(self.stalls) if iteration >= s.start_iteration)
 
-    def attach(self, layers: Sequence[Any]) -> None:
-        """Start slowing: per layer when there are layers, else per forward/backward span."""
+    def attach(self, layers: Sequence[Any], *, weight_grads: bool = False) -> None:
+        """Start slowing: per layer when there are layers, else per forward/backward span; with
+        `weight_grads` (backwards split into I and W) every W span as well."""
         self.layers = list(layers)
         if self.layers:
             watch_layers(self.layers, self)
-        if not self._observing:
+        if not self._observing and (weight_grads or not self.layers):
             set_observer(self)
             self._observing = True
         self.attached = True
@@ -377,7 +378,7 @@ class InjectPlugin(Plugin):
         # Attached only from START_ITER on, and after every plugin's setup: in the fallback the
         # fault's observer is then the innermost one, so its time lies inside the others' spans.
         if not fault.attached and iteration >= fault.start_iteration:
-            fault.attach(self.layers)
+            fault.attach(self.layers, weight_grads=ctx.layout is not None and ctx.layout.split_backward)
 
     def shutdown(self, ctx) -> None:
         if self.fault is not None and self.fault.attached:

@@ -402,7 +402,8 @@ void Engine::run_direct_chunk(const std::shared_ptr<SendJob>& job, uint64_t offs
     return;
   }
   if (!error.empty()) {
-    fail(req, ErrorKind::Internal, describe(*req) + " failed: " + error + " (" + stage(*req) + ")");
+    const ErrorKind kind = job->channel->peer_vanished() ? ErrorKind::PeerGone : ErrorKind::Internal;
+    fail(req, kind, describe(*req) + " failed: " + error + " (" + stage(*req) + ")");
     return;
   }
   req->bytes_done += bytes;

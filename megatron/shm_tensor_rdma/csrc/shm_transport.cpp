@@ -23,8 +23,10 @@ uint64_t* ring_table(void* base) {
 size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
 // Copies `bytes` between `local` here and `remote` in process `pid` (reading it, or writing
-// it when `write`); "" or why not. The kernel may move less than asked: the rest follows.
-std::string copy_remote(int pid, bool write, uint8_t* local, uint64_t remote, uint64_t bytes) {
+// it when `write`); "" or why not (`failed_errno`, when given, gets the call's errno). The kernel
+// may move less than asked: the rest follows.
+std::string copy_remote(int pid, bool write, uint8_t* local, uint64_t remote, uint64_t bytes,
+                        int* failed_errno = nullptr) {
   const char* call = write ? "process_vm_writev" : "process_vm_readv";
   uint64_t done = 0;
   while (done < bytes) {
@@ -33,7 +35,9 @@ std::string copy_remote(int pid, bool write, uint8_t* local, uint64_t remote, ui
     ssize_t n = write ? process_vm_writev(pid, &here, 1, &far, 1, 0) : process_vm_readv(pid, &here, 1, &far, 1, 0);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return errno_text(call);
+      const int err = errno;
+      if (failed_errno != nullptr) *failed_errno = err;
+      return errno_text(call, err);
     }
     if (n == 0) return std::string(call) + " moved nothing";
     done += static_cast<uint64_t>(n);
@@ -301,13 +305,17 @@ bool ShmChannel::offer_in_use(const Request& req) {
 
 std::string ShmChannel::read(uint8_t* dst, uint64_t remote_addr, uint64_t bytes) {
   if (gone_.load()) return "rank " + std::to_string(peer_) + " went away during the transfer";
-  std::string error = copy_remote(peer_pid_, false, dst, remote_addr, bytes);
+  int err = 0;
+  std::string error = copy_remote(peer_pid_, false, dst, remote_addr, bytes, &err);
+  if (err == ESRCH) vanished_.store(true);  // the process is gone: the monitor may not have seen it yet
   return error.empty() ? "" : "reading rank " + std::to_string(peer_) + "'s buffer failed: " + error;
 }
 
 std::string ShmChannel::write(uint64_t remote_addr, const uint8_t* src, uint64_t bytes) {
   if (gone_.load()) return "rank " + std::to_string(peer_) + " went away during the transfer";
-  std::string error = copy_remote(peer_pid_, true, const_cast<uint8_t*>(src), remote_addr, bytes);
+  int err = 0;
+  std::string error = copy_remote(peer_pid_, true, const_cast<uint8_t*>(src), remote_addr, bytes, &err);
+  if (err == ESRCH) vanished_.store(true);
   return error.empty() ? "" : "writing rank " + std::to_string(peer_) + "'s buffer failed: " + error;
 }
 

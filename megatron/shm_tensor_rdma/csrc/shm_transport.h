@@ -97,6 +97,7 @@ class ShmChannel : public Channel {
   std::string read(uint8_t* dst, uint64_t remote_addr, uint64_t bytes) override;
   std::string write(uint64_t remote_addr, const uint8_t* src, uint64_t bytes) override;
   std::string copy_path() const override;
+  bool peer_vanished() const override { return gone_.load() || vanished_.load(); }
 
   // Receive-thread side: consume messages this peer published into our inbox.
   bool poll_ctrl();
@@ -125,6 +126,7 @@ class ShmChannel : public Channel {
   bool can_pull_ = false;      // we may read and write the peer's memory (probed at attach)
   std::string pull_refused_;   // why not, when not
   std::atomic<bool> gone_{false};
+  std::atomic<bool> vanished_{false};  // a copy found the peer's process gone
   std::mutex produce_mu_;  // keeps control messages in posting order
   bool flush_locked();  // flush() with produce_mu_ held
   std::deque<std::vector<uint8_t>> queued_;  // control messages that found the ring full

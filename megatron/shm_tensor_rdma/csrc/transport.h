@@ -145,6 +145,8 @@ class Channel {
   virtual std::string write(uint64_t, const uint8_t*, uint64_t) { return "transport cannot write the peer's memory"; }
   // How large messages move on this channel, for diagnostics.
   virtual std::string copy_path() const { return "copy"; }
+  // True once this side knows the peer is gone (a failed copy is then the peer's death, not ours).
+  virtual bool peer_vanished() const { return false; }
 };
 
 }  // namespace strdma
