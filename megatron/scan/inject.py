@@ -378,7 +378,8 @@ class InjectPlugin(Plugin):
         # Attached only from START_ITER on, and after every plugin's setup: in the fallback the
         # fault's observer is then the innermost one, so its time lies inside the others' spans.
         if not fault.attached and iteration >= fault.start_iteration:
-            fault.attach(self.layers, weight_grads=ctx.layout is not None and ctx.layout.split_backward)
+            layout = getattr(ctx, "layout", None)
+            fault.attach(self.layers, weight_grads=layout is not None and layout.split_backward)
 
     def shutdown(self, ctx) -> None:
         if self.fault is not None and self.fault.attached:
