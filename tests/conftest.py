@@ -143,6 +143,8 @@ class _SourceNamespace(dict):
     def __getitem__(self, name: str) -> object:
         value = dict.__getitem__(self, name)
         if isinstance(value, _Import):
+            # Known by name while it resolves: two modules re-exporting a name from each other end here.
+            dict.__setitem__(self, name, _Unread(".".join(value[1:])))
             owner = _module(value[1])
             value = owner if value[0] == "module" else _attribute(owner, value[2]) or _Unread(".".join(value[1:]))
             dict.__setitem__(self, name, value)
